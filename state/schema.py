@@ -1,0 +1,124 @@
+"""The store's schema, as numbered migrations tracked by `PRAGMA user_version`."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import sqlite_utils
+
+
+def _m1_initial(db: sqlite_utils.Database) -> None:
+    db["runs"].create(
+        {
+            "id": int, "name": str, "model": str, "state": str, "current_stage": str,
+            "config_path": str, "config_json": str, "output_dir": str, "reason": str,
+            "created_at": float, "started_at": float, "ended_at": float,
+            # Roll-ups kept by the daemon, so history listings never scan the metrics table.
+            "peak_gpu_mem": float, "tok_s": float, "summary_json": str,
+        },
+        pk="id",
+        not_null={"name", "state", "created_at"},
+    )
+    db["runs"].create_index(["created_at"])
+    db["runs"].create_index(["state", "created_at"])
+
+    db["stages"].create(
+        {
+            "id": int, "run_id": int, "name": str, "position": int, "state": str,
+            "attempts": int, "restarts": int, "max_restarts": int, "world_size": int,
+            "started_at": float, "ended_at": float, "reason": str,
+            "tok_s": float, "peak_gpu_mem": float, "summary_json": str,
+        },
+        pk="id",
+        foreign_keys=[("run_id", "runs", "id")],
+        not_null={"run_id", "name", "state"},
+        defaults={"attempts": 0, "restarts": 0},
+    )
+    db["stages"].create_index(["run_id", "name"], unique=True)
+
+    db["attempts"].create(
+        {
+            "id": int, "run_id": int, "stage": str, "number": int, "state": str, "dir": str,
+            "world_size": int, "devices": str, "master_port": int,
+            "started_at": float, "ended_at": float, "reason": str,
+        },
+        pk="id",
+        foreign_keys=[("run_id", "runs", "id")],
+        not_null={"run_id", "stage", "number", "state"},
+    )
+    db["attempts"].create_index(["run_id", "stage", "number"], unique=True)
+    db["attempts"].create_index(["state"])
+
+    db["ranks"].create(
+        {
+            "id": int, "attempt_id": int, "run_id": int, "stage": str, "rank": int,
+            # pid + create_time identify a process for good: a recycled pid has another
+            # create time, so a restarted daemon never adopts a stranger.
+            "pid": int, "create_time": float, "monitor_pid": int, "monitor_create_time": float,
+            "host": str, "device": str, "state": str, "exit_code": int, "signal": int,
+            "oom_killed": int, "started_at": float, "ended_at": float, "log_path": str,
+            "peak_gpu_mem": float, "tok_s": float, "cpu_percent": float, "rss": float,
+        },
+        pk="id",
+        foreign_keys=[("attempt_id", "attempts", "id"), ("run_id", "runs", "id")],
+        not_null={"attempt_id", "run_id", "stage", "rank"},
+    )
+    db["ranks"].create_index(["attempt_id", "rank"], unique=True)
+    db["ranks"].create_index(["run_id"])
+
+    db["errors"].create(
+        {
+            "id": int, "run_id": int, "stage": str, "attempt_id": int, "attempt": int,
+            "rank": int, "pid": int, "host": str, "type": str, "message": str,
+            "traceback": str, "time": float, "root_cause": int, "source": str, "path": str,
+        },
+        pk="id",
+        foreign_keys=[("run_id", "runs", "id"), ("attempt_id", "attempts", "id")],
+        not_null={"run_id", "stage", "type", "time"},
+        defaults={"root_cause": 0},
+    )
+    db["errors"].create_index(["run_id", "stage"])
+    db["errors"].create_index(["attempt_id"])
+
+    db["metrics"].create(
+        {
+            "id": int, "time": float, "run_id": int, "stage": str, "attempt": int,
+            "rank": int, "name": str, "value": float,
+        },
+        pk="id",
+        not_null={"time", "name", "value"},
+    )
+    db["metrics"].create_index(["run_id", "stage", "attempt", "name", "time"])
+    db["metrics"].create_index(["time"])
+
+    db["events"].create(
+        {
+            "id": int, "time": float, "run_id": int, "stage": str, "attempt": int,
+            "entity": str, "from_state": str, "to_state": str, "reason": str,
+        },
+        pk="id",
+        not_null={"time", "entity", "to_state"},
+    )
+    db["events"].create_index(["run_id", "time"])
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m1_initial]
+LATEST = len(MIGRATIONS)
+
+
+def version(db: sqlite_utils.Database) -> int:
+    return db.execute("PRAGMA user_version").fetchone()[0]
+
+
+def migrate(db: sqlite_utils.Database) -> int:
+    """Apply the migrations this database lacks; `user_version` moves only after each one."""
+    current = version(db)
+    if current > LATEST:
+        raise RuntimeError(
+            f"database schema version {current} is newer than this eyas knows ({LATEST}); upgrade eyas"
+        )
+    for number in range(current + 1, LATEST + 1):
+        with db.conn:
+            MIGRATIONS[number - 1](db)
+            db.execute(f"PRAGMA user_version = {number}")
+    return LATEST

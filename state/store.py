@@ -1,0 +1,222 @@
+"""Opening the store, and the writes the daemon makes (it is the only writer).
+
+Every state change goes through `move_*`, which checks the state machine and records an
+event with its reason in the same transaction.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import sqlite_utils
+
+from . import machine, schema
+
+
+class StoreMissing(FileNotFoundError):
+    """No database yet: nothing has been submitted under this state directory."""
+
+
+def open_writer(path: Path) -> sqlite_utils.Database:
+    """Open (creating and migrating) the database for the daemon, the only writer."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(str(path), timeout=30, check_same_thread=False)
+    db = sqlite_utils.Database(conn)
+    db.execute("PRAGMA journal_mode=WAL")
+    # NORMAL is durable across process crashes in WAL mode; only power loss can drop the
+    # last transactions, which is the right trade for a 1 Hz metrics writer.
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.execute("PRAGMA foreign_keys=ON")
+    schema.migrate(db)
+    return db
+
+
+def open_reader(path: Path) -> sqlite_utils.Database:
+    """Open the database read-only: for the CLI and the TUI, daemon running or not."""
+    if not path.exists():
+        raise StoreMissing(f"no eyas database at {path}: nothing has been submitted yet")
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30, check_same_thread=False)
+    db = sqlite_utils.Database(conn)
+    found = schema.version(db)
+    if found > schema.LATEST:
+        raise RuntimeError(f"database schema {found} is newer than this eyas ({schema.LATEST}); upgrade eyas")
+    return db
+
+
+def _event(db, run_id, entity, old, new, reason, stage=None, attempt=None, now=None) -> None:
+    db["events"].insert(
+        {
+            "time": now or time.time(), "run_id": run_id, "stage": stage, "attempt": attempt,
+            "entity": entity, "from_state": old, "to_state": new, "reason": reason,
+        }
+    )
+
+
+def create_run(
+    db: sqlite_utils.Database,
+    *,
+    name: str,
+    model: str,
+    stages: Iterable[dict[str, Any]],
+    config: dict[str, Any] | None = None,
+    config_path: str | None = None,
+    output_dir: str | None = None,
+    now: float | None = None,
+) -> int:
+    """Record a new pending run with its stages (dicts with name and max_restarts)."""
+    now = now or time.time()
+    with db.conn:
+        run_id = db["runs"].insert(
+            {
+                "name": name, "model": model, "state": "pending", "config_path": config_path,
+                "config_json": json.dumps(config) if config is not None else None,
+                "output_dir": output_dir, "created_at": now,
+            }
+        ).last_pk
+        for position, stage in enumerate(stages):
+            db["stages"].insert(
+                {
+                    "run_id": run_id, "name": stage["name"], "position": position, "state": "pending",
+                    "max_restarts": stage.get("max_restarts", 0), "world_size": stage.get("world_size"),
+                }
+            )
+        _event(db, run_id, "run", None, "pending", "submitted", now=now)
+    return run_id
+
+
+def move_run(db, run_id: int, new: str, reason: str, now: float | None = None, **fields) -> None:
+    """Move a run to `new`, checking the state machine, and record the event."""
+    now = now or time.time()
+    row = db["runs"].get(run_id)
+    machine.check("run", row["state"], new, f"run {run_id}")
+    update = {"state": new, "reason": reason, **fields}
+    if new == "running" and not row["started_at"]:
+        update["started_at"] = now
+    if new in machine.TERMINAL:
+        update["ended_at"] = now
+    elif new in ("pending", "running"):
+        update["ended_at"] = None
+    with db.conn:
+        db["runs"].update(run_id, update)
+        _event(db, run_id, "run", row["state"], new, reason, now=now)
+
+
+def stage_row(db, run_id: int, stage: str) -> dict:
+    rows = list(db["stages"].rows_where("run_id = ? and name = ?", [run_id, stage]))
+    if not rows:
+        names = [r["name"] for r in db["stages"].rows_where("run_id = ?", [run_id], order_by="position")]
+        raise KeyError(f"run {run_id} has no stage {stage!r} (its stages: {', '.join(names)})")
+    return rows[0]
+
+
+def move_stage(db, run_id: int, stage: str, new: str, reason: str, now: float | None = None, **fields) -> None:
+    """Move a stage to `new`, checking the state machine, and record the event."""
+    now = now or time.time()
+    row = stage_row(db, run_id, stage)
+    machine.check("stage", row["state"], new, f"{stage} of run {run_id}")
+    update = {"state": new, "reason": reason, **fields}
+    if new == "running":
+        update["started_at"] = now
+        update["ended_at"] = None
+    if new in machine.TERMINAL:
+        update["ended_at"] = now
+    with db.conn:
+        db["stages"].update(row["id"], update)
+        if new == "running":
+            db["runs"].update(run_id, {"current_stage": stage})
+        _event(db, run_id, "stage", row["state"], new, reason, stage=stage, attempt=row["attempts"], now=now)
+
+
+def new_attempt(
+    db, run_id: int, stage: str, *, dir: str, world_size: int, devices: list | None = None,
+    master_port: int | None = None, now: float | None = None,
+) -> tuple[int, int]:
+    """Record the next attempt of a stage; returns (attempt id, attempt number)."""
+    now = now or time.time()
+    row = stage_row(db, run_id, stage)
+    number = (row["attempts"] or 0) + 1
+    with db.conn:
+        attempt_id = db["attempts"].insert(
+            {
+                "run_id": run_id, "stage": stage, "number": number, "state": "running", "dir": dir,
+                "world_size": world_size, "devices": json.dumps(devices or []),
+                "master_port": master_port, "started_at": now,
+            }
+        ).last_pk
+        db["stages"].update(row["id"], {"attempts": number, "world_size": world_size})
+        _event(db, run_id, "attempt", None, "running", f"attempt {number} started", stage=stage,
+               attempt=number, now=now)
+    return attempt_id, number
+
+
+def move_attempt(db, attempt_id: int, new: str, reason: str, now: float | None = None) -> None:
+    now = now or time.time()
+    row = db["attempts"].get(attempt_id)
+    machine.check("attempt", row["state"], new, f"attempt {row['number']} of {row['stage']}")
+    with db.conn:
+        db["attempts"].update(attempt_id, {"state": new, "reason": reason, "ended_at": now})
+        _event(db, row["run_id"], "attempt", row["state"], new, reason, stage=row["stage"],
+               attempt=row["number"], now=now)
+
+
+def upsert_rank(db, attempt_id: int, rank: int, **fields) -> None:
+    """Insert or update one rank of an attempt."""
+    attempt = db["attempts"].get(attempt_id)
+    # Ranks are keyed by a unique (attempt_id, rank) index, not by their primary key, which
+    # is what sqlite-utils' upsert would match on: so a lookup, then an update or insert.
+    existing = list(db["ranks"].rows_where("attempt_id = ? and rank = ?", [attempt_id, rank]))
+    with db.conn:
+        if existing:
+            db["ranks"].update(existing[0]["id"], fields)
+        else:
+            db["ranks"].insert(
+                {"attempt_id": attempt_id, "rank": rank, "run_id": attempt["run_id"],
+                 "stage": attempt["stage"], **fields}
+            )
+
+
+def record_error(db, attempt_id: int, *, rank: int | None, type: str, message: str, traceback: str,
+                 time_: float, root_cause: bool, source: str, pid: int | None = None,
+                 host: str | None = None, path: str | None = None) -> int:
+    """Record one rank's failure. An empty message is kept empty: type and traceback say enough."""
+    attempt = db["attempts"].get(attempt_id)
+    with db.conn:
+        return db["errors"].insert(
+            {
+                "run_id": attempt["run_id"], "stage": attempt["stage"], "attempt_id": attempt_id,
+                "attempt": attempt["number"], "rank": rank, "pid": pid, "host": host, "type": type,
+                "message": message, "traceback": traceback, "time": time_,
+                "root_cause": int(root_cause), "source": source, "path": path,
+            }
+        ).last_pk
+
+
+def insert_metrics(db, rows: list[dict[str, Any]]) -> None:
+    """Append metric samples: dicts with time, run_id, stage, attempt, rank, name, value."""
+    if rows:
+        with db.conn:
+            db["metrics"].insert_all(rows, batch_size=500)
+
+
+def prune_metrics(db, *, max_age_s: float, max_rows: int, now: float | None = None) -> int:
+    """Retention: drop samples older than `max_age_s`, then the oldest beyond `max_rows`.
+
+    History survives pruning because the listings read the roll-ups on runs, stages and
+    ranks, not the raw samples.
+    """
+    now = now or time.time()
+    with db.conn:
+        cur = db.execute("DELETE FROM metrics WHERE time < ?", [now - max_age_s])
+        removed = cur.rowcount
+        count = db.execute("SELECT count(*) FROM metrics").fetchone()[0]
+        if count > max_rows:
+            cur = db.execute(
+                "DELETE FROM metrics WHERE id IN (SELECT id FROM metrics ORDER BY id LIMIT ?)",
+                [count - max_rows],
+            )
+            removed += cur.rowcount
+    return removed
