@@ -1,0 +1,45 @@
+"""What the daemon may know of the stages: names, entry points and launch defaults.
+
+Pure data and stdlib: the daemon imports this module, so it must never pull in torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    entry: str                  # "module:function" run by the rank runtime inside each rank
+    description: str
+    distributed: bool = True    # False: always one rank, whatever the run's ranks
+    max_restarts: int = 0
+    needs_target: bool = True   # the stage reads the target model
+    needs_data: bool = False    # the stage reads the dataset
+
+
+STAGES: dict[str, StageSpec] = {
+    spec.name: spec
+    for spec in (
+        StageSpec("prepare", "eyas.workers.stages.prepare:main", "render chats, build loss masks",
+                  distributed=False, needs_data=True),
+        StageSpec("extract", "eyas.workers.stages.extract:main", "capture the target's hidden states"),
+        StageSpec("vocab", "eyas.workers.stages.vocab:main", "build the draft vocabulary mapping",
+                  distributed=False),
+        StageSpec("train", "eyas.workers.stages.train:main", "train the EAGLE-3 draft"),
+        StageSpec("evaluate", "eyas.workers.stages.evaluate:main", "measure acceptance in vLLM",
+                  distributed=False),
+        # A stage for tests and benchmarks: prints, reports progress, sleeps and fails on demand.
+        StageSpec("selftest", "eyas.workers.stages.selftest:main", "exercise the supervisor",
+                  needs_target=False),
+    )
+}
+
+# The pipeline a run gets when its config names none.
+DEFAULT_PIPELINE = ("prepare", "extract", "vocab", "train", "evaluate")
+
+
+def argv(python: str) -> list[str]:
+    """The command line of one rank: the rank monitor, which runs the rank runtime."""
+    return [python, "-m", "eyas.workers.monitor"]
