@@ -20,7 +20,7 @@ COMMANDS = {
     "show": "eyas.daemon.history:show",
     "logs": "eyas.daemon.logs:command",
     "errors": "eyas.daemon.history:errors",
-    "validate": "eyas.daemon.control:validate",
+    "validate": "eyas.daemon.configcheck:command",
     "demo": "eyas.daemon.demo:command",
     "tui": "eyas.tui.app:command",
 }

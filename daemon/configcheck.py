@@ -1,0 +1,57 @@
+"""`eyas validate CONFIG`: check a run config without submitting it.
+
+Prints what the run would do (pipeline, layer ids and what they mean, ranks per stage), or
+every mistake on stderr with exit code 2. Needs no daemon, and no torch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from eyas.workers.config import ConfigError, RunConfig, load, num_hidden_layers, stage_world_size
+
+
+def layer_meaning(layer_id: int, n: int) -> str:
+    """What hidden state a layer id names (vLLM / speculators convention, ARCHITECTURE.md)."""
+    if layer_id == 0:
+        return "embeddings"
+    if layer_id == n:
+        return "final pre-norm output"
+    return f"entering layer {layer_id}"
+
+
+def summary(cfg: RunConfig) -> list[str]:
+    rows = [("name", cfg.name), ("pipeline", " -> ".join(cfg.pipeline))]
+    n = None
+    if cfg.target is not None:
+        n = num_hidden_layers(cfg.target.path)
+        remote = ", trust_remote_code" if cfg.target.trust_remote_code else ""
+        rows.append(("target", f"{cfg.target.path} ({n} layers, {cfg.target.dtype}{remote})"))
+    if cfg.data is not None:
+        rows.append(("data", f"{cfg.data.path} ({cfg.data.format}, max_length {cfg.data.max_length})"))
+    if "extract" in cfg.pipeline:
+        ex = cfg.extract
+        rows.append(("extract", f"{ex.backend}, tensor parallel {ex.tensor_parallel_size}, batch {ex.batch_size}"))
+    if cfg.extract.layer_ids is not None:
+        ids = cfg.extract.layer_ids
+        rows.append(("layer ids", ", ".join(
+            f"{i} ({layer_meaning(i, n)})" if n is not None else str(i) for i in ids)))
+    rows.append(("ranks", ", ".join(f"{s} {stage_world_size(cfg, s)}" for s in cfg.pipeline)))
+    devices = cfg.resources.devices
+    rows.append(("devices", devices if isinstance(devices, str) else ", ".join(map(str, devices))))
+    rows.append(("output", cfg.output_dir or "chosen by the daemon (<state>/runs/<id>/out)"))
+    width = max(len(k) for k, _ in rows)
+    return [f"  {k.ljust(width)}  {v}" for k, v in rows]
+
+
+def command(args) -> int:
+    try:
+        cfg = load(args.config)
+    except ConfigError as exc:
+        for line in exc.errors:
+            print(line, file=sys.stderr)
+        return 2
+    print(f"{args.config}: valid")
+    for line in summary(cfg):
+        print(line)
+    return 0

@@ -1,0 +1,64 @@
+"""`eyas submit | stop | retry | skip | resume`: requests to the daemon."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from eyas.workers import config as run_config
+
+from .client import Client, DaemonError, DaemonNotRunning
+
+
+def _request(op: str, **args):
+    try:
+        with Client() as c:
+            return c.request(op, **args)
+    except DaemonNotRunning as exc:
+        print(f"eyas {op}: {exc}", file=sys.stderr)
+        raise SystemExit(1)
+    except DaemonError as exc:
+        print(f"eyas {op}: {exc.message}", file=sys.stderr)
+        raise SystemExit(2 if exc.code in ("invalid_config", "bad_request") else 1)
+
+
+def submit(args) -> int:
+    path = Path(args.config)
+    # Validate here first: a mistake is reported even when the daemon is down.
+    try:
+        run_config.load(path)
+    except run_config.ConfigError as exc:
+        print("\n".join(exc.errors), file=sys.stderr)
+        return 2
+    result = _request("submit", config_path=str(path.absolute()))
+    run_id = result["run_id"]
+    print(f"run {run_id} submitted: {' → '.join(result['stages'])}")
+    if args.follow:
+        from .follow import follow
+        return follow(run_id)
+    return 0
+
+
+def stop(args) -> int:
+    r = _request("stop", run=args.run, **({"stage": args.stage} if args.stage else {}))
+    print(f"run {r['run_id']}: {'stopping' if r['stopping'] else 'stopped'} {r['stage'] or ''}".rstrip())
+    return 0
+
+
+def retry(args) -> int:
+    r = _request("retry", run=args.run, **({"stage": args.stage} if args.stage else {}))
+    print(f"run {r['run_id']}: {r['stage']} will run again as a new attempt")
+    return 0
+
+
+def skip(args) -> int:
+    r = _request("skip", run=args.run, stage=args.stage)
+    print(f"run {r['run_id']}: {r['stage']} skipped")
+    return 0
+
+
+def resume(args) -> int:
+    r = _request("resume", run=args.run)
+    again = ", ".join(r["stages"]) or "the remaining stages"
+    print(f"run {r['run_id']}: resuming ({again})")
+    return 0

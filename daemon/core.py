@@ -1,0 +1,496 @@
+"""The daemon's core: runs and stages, device queues, controls, and supervision of the
+live rank groups. It answers the socket API (as the server's handler) and keeps SQLite
+up to date; it is the only writer of the store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from eyas.state import machine, paths, store
+from eyas.workers import config as run_config
+from eyas.workers import specs
+
+from . import protocol
+from .protocol import ProtocolError
+from .sampler import RankRef, Sampler
+from .supervisor import Group, Rank, RankExit, _read_json, describe_failure
+
+log = logging.getLogger("eyas.daemon.core")
+
+SAMPLE_PERIOD = 1.0
+# Retention (README): raw samples older than a week go, and never more than 2M rows;
+# the history listings read roll-ups, which are kept forever.
+METRICS_MAX_AGE = 7 * 24 * 3600.0
+METRICS_MAX_ROWS = 2_000_000
+PRUNE_PERIOD = 600.0
+
+
+class Core:
+    def __init__(self, db, home: Path, *, grace: float = 10.0, sampler: Sampler | None = None,
+                 publish=None, wants=None):
+        self.db = db
+        self.home = home
+        self.grace = grace
+        self.sampler = sampler or Sampler()
+        self.publish = publish or (lambda topic, data: None)
+        self.wants = wants or (lambda topic: False)
+        self.host = socket.gethostname()
+        self.groups: dict[int, Group] = {}           # attempt id -> live group
+        self.restart_at: dict[tuple[int, str], float] = {}
+        self.waiting: dict[int, str] = {}            # run id -> why it waits
+        self.started = time.time()
+        self.stopping = False
+        self._dirty = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._last_sample = 0.0
+        self._last_prune = 0.0
+        self.stage_live: dict[tuple[int, str], dict] = {}   # latest roll-up per running stage
+
+    # -- recording, with events out to subscribers -----------------------------------------
+
+    def _emit_state(self, run_id: int, entity: str, new: str, reason: str, stage=None, attempt=None) -> None:
+        self.publish("state", {"run_id": run_id, "stage": stage, "attempt": attempt, "entity": entity,
+                               "to_state": new, "reason": reason, "time": time.time()})
+
+    def _move_run(self, run_id: int, new: str, reason: str, **fields) -> None:
+        store.move_run(self.db, run_id, new, reason, **fields)
+        self._emit_state(run_id, "run", new, reason)
+
+    def _move_stage(self, run_id: int, stage: str, new: str, reason: str, **fields) -> None:
+        store.move_stage(self.db, run_id, stage, new, reason, **fields)
+        self._emit_state(run_id, "stage", new, reason, stage=stage)
+
+    def poke(self) -> None:
+        self._dirty.set()
+
+    # -- the socket API ----------------------------------------------------------------------
+
+    async def handle(self, req: protocol.Request, conn=None) -> Any:
+        op = getattr(self, f"op_{req.op}", None)
+        if op is None:
+            raise ProtocolError(protocol.UNKNOWN_OP, f"op {req.op!r} is not served by this daemon")
+        try:
+            result = op(**req.args)
+            if asyncio.iscoroutine(result):
+                result = await result
+            return result
+        except TypeError as exc:
+            raise ProtocolError(protocol.BAD_REQUEST, f"{req.op}: {exc}") from None
+        except machine.IllegalTransition as exc:
+            raise ProtocolError(protocol.ILLEGAL, str(exc)) from None
+        except KeyError as exc:
+            raise ProtocolError(protocol.NOT_FOUND, str(exc.args[0]) if exc.args else "not found") from None
+        finally:
+            self.poke()
+
+    def op_ping(self) -> dict:
+        return {"pid": os.getpid(), "version": protocol.VERSION}
+
+    def op_status(self) -> dict:
+        active = []
+        for g in self.groups.values():
+            live = self.stage_live.get((g.run_id, g.stage), {})
+            active.append({"run_id": g.run_id, "stage": g.stage, "attempt": g.attempt,
+                           "world_size": g.world_size, "devices": g.devices,
+                           "pids": [r.pid or r.monitor_pid for r in g.ranks],
+                           "tok_s": live.get("tok_s"), "eta_s": live.get("eta_s"),
+                           "progress": live.get("progress")})
+        return {"pid": os.getpid(), "uptime": time.time() - self.started, "home": str(self.home),
+                "socket": str(paths.socket_path(self.home)), "database": str(paths.db_path(self.home)),
+                "active": active, "waiting": {str(k): v for k, v in self.waiting.items()},
+                "gpu": self.sampler.gpu_available}
+
+    def _run(self, run: Any) -> dict:
+        try:
+            return self.db["runs"].get(int(run))
+        except Exception:
+            raise KeyError(f"no run {run}") from None
+
+    def op_submit(self, config_path: str) -> dict:
+        try:
+            cfg = run_config.load(Path(config_path))
+        except run_config.ConfigError as exc:
+            raise ProtocolError(protocol.INVALID_CONFIG, "\n".join(exc.errors)) from None
+        data = cfg.to_dict()
+        stages = []
+        for name in cfg.pipeline:
+            max_restarts, _backoff, _options = run_config.stage_settings(cfg, name)
+            stages.append({"name": name, "max_restarts": max_restarts,
+                           "world_size": run_config.stage_world_size(cfg, name)})
+        model = Path(cfg.target.path).name if getattr(cfg.target, "path", None) else None
+        run_id = store.create_run(self.db, name=cfg.name, model=model, stages=stages, config=data,
+                                  config_path=str(Path(config_path).absolute()))
+        run_dir = paths.runs_dir(self.home) / str(run_id)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        output_dir = Path(cfg.output_dir) if cfg.output_dir else run_dir / "out"
+        data["output_dir"] = str(output_dir)
+        (run_dir / "config.json").write_text(json.dumps(data, indent=2))
+        self.db["runs"].update(run_id, {"output_dir": str(output_dir)})
+        self._emit_state(run_id, "run", "pending", "submitted")
+        log.info("run %s submitted: %s (%s)", run_id, cfg.name, ", ".join(cfg.pipeline))
+        return {"run_id": run_id, "stages": list(cfg.pipeline), "output_dir": str(output_dir)}
+
+    def _stage_or_default(self, run_id: int, stage: str | None, states: tuple[str, ...]) -> str:
+        if stage:
+            store.stage_row(self.db, run_id, stage)
+            return stage
+        for row in self.db["stages"].rows_where("run_id = ?", [run_id], order_by="position"):
+            if row["state"] in states:
+                return row["name"]
+        raise machine.IllegalTransition(f"run {run_id} has no stage that is {' or '.join(states)}")
+
+    def _group_of(self, run_id: int, stage: str | None = None) -> Group | None:
+        return next((g for g in self.groups.values()
+                     if g.run_id == run_id and (stage is None or g.stage == stage)), None)
+
+    def op_stop(self, run: int, stage: str | None = None) -> dict:
+        row = self._run(run)
+        run_id = row["id"]
+        if stage is None:
+            machine.check("run", row["state"], "cancelled", f"run {run_id}")
+        group = self._group_of(run_id, stage)
+        target = stage or (group.stage if group else None)
+        if group is not None:
+            self._cancel_group(group, "stopped by the user")
+            return {"run_id": run_id, "stage": group.stage, "stopping": True}
+        if target is None:
+            target = self._stage_or_default(run_id, None, ("running", "pending"))
+        srow = store.stage_row(self.db, run_id, target)
+        self.restart_at.pop((run_id, target), None)
+        self._move_stage(run_id, target, "cancelled", "stopped by the user")
+        if srow["state"] == "running" or stage is None:
+            self._finish_run(run_id, "cancelled", f"stage {target} stopped by the user")
+        return {"run_id": run_id, "stage": target, "stopping": False}
+
+    def op_retry(self, run: int, stage: str | None = None) -> dict:
+        row = self._run(run)
+        run_id = row["id"]
+        stage = self._stage_or_default(run_id, stage, ("failed", "cancelled"))
+        self._move_stage(run_id, stage, "pending", "retry requested", restarts=0)
+        if row["state"] in ("failed", "cancelled"):
+            self._move_run(run_id, "pending", f"retry of {stage} requested")
+        return {"run_id": run_id, "stage": stage}
+
+    def op_skip(self, run: int, stage: str) -> dict:
+        row = self._run(run)
+        run_id = row["id"]
+        srow = store.stage_row(self.db, run_id, stage)
+        if srow["state"] == "running":
+            raise machine.IllegalTransition(
+                f"stage {stage} of run {run_id} is running; stop it first (eyas stop {run_id} --stage {stage})")
+        self._move_stage(run_id, stage, "skipped", "skipped by the user")
+        return {"run_id": run_id, "stage": stage}
+
+    def op_resume(self, run: int) -> dict:
+        row = self._run(run)
+        run_id = row["id"]
+        machine.check("run", row["state"], "pending", f"run {run_id}")
+        again = []
+        for s in self.db["stages"].rows_where("run_id = ? and state in ('failed','cancelled')", [run_id]):
+            self._move_stage(run_id, s["name"], "pending", "run resumed", restarts=0)
+            again.append(s["name"])
+        self._move_run(run_id, "pending", "resumed by the user")
+        return {"run_id": run_id, "stages": again}
+
+    async def op_shutdown(self, grace: float | None = None) -> dict:
+        asyncio.get_running_loop().call_soon(lambda: self._spawn_task(self.shutdown(grace)))
+        return {"stopping": True, "active": len(self.groups)}
+
+    # -- scheduling ----------------------------------------------------------------------
+
+    def _held_devices(self) -> dict[int, int]:
+        return {d: g.run_id for g in self.groups.values() for d in g.devices}
+
+    def _devices_for(self, cfg: dict, stage: str, world_size: int) -> list[int] | None:
+        """The GPUs a stage needs, or None when they are busy. [] means CPU only."""
+        wanted = cfg.get("resources", {}).get("devices", "auto")
+        held = self._held_devices()
+        if wanted == "cpu":
+            return []
+        if isinstance(wanted, list):
+            return None if any(d in held for d in wanted) else list(wanted)
+        count = self.sampler.gpu.device_count() if self.sampler.gpu_available else 0
+        if count == 0:
+            return []
+        extract = cfg.get("extract", {})
+        per_rank = extract.get("tensor_parallel_size", 1) if stage == "extract" and extract.get("backend") == "vllm" else 1
+        need = world_size * per_rank
+        free = [d for d in range(count) if d not in held]
+        return free[:need] if len(free) >= need else None
+
+    def _finish_run(self, run_id: int, state: str, reason: str) -> None:
+        row = self.db["runs"].get(run_id)
+        if row["state"] == state:
+            return
+        if row["state"] == "pending" and state in ("succeeded",):
+            self._move_run(run_id, "running", "started")
+        self._move_run(run_id, state, reason)
+        self.waiting.pop(run_id, None)
+
+    def schedule(self) -> None:
+        """Start what can start: the next stage of each run, queued behind device holders."""
+        if self.stopping:
+            return
+        now = time.time()
+        for run in self.db["runs"].rows_where("state in ('pending','running')", order_by="created_at, id"):
+            run_id = run["id"]
+            if self._group_of(run_id) is not None:
+                continue
+            cfg = json.loads(run["config_json"] or "{}")
+            for s in self.db["stages"].rows_where("run_id = ?", [run_id], order_by="position"):
+                if s["state"] in ("succeeded", "skipped"):
+                    continue
+                if s["state"] in ("failed", "cancelled"):
+                    self._finish_run(run_id, s["state"], f"stage {s['name']} {s['state']}")
+                    break
+                due = self.restart_at.get((run_id, s["name"]))
+                if due is not None and due > now:
+                    break
+                self._start_stage(run, cfg, s)
+                break
+            else:
+                self._finish_run(run_id, "succeeded", "every stage succeeded or was skipped")
+
+    def _start_stage(self, run: dict, cfg: dict, s: dict) -> None:
+        run_id, stage = run["id"], s["name"]
+        world_size = s["world_size"] or 1
+        devices = self._devices_for(cfg, stage, world_size)
+        if devices is None:
+            holders = sorted({str(r) for r in self._held_devices().values()})
+            why = f"waiting for devices held by run {', '.join(holders)}"
+            if self.waiting.get(run_id) != why:
+                self.waiting[run_id] = why
+                self.db["runs"].update(run_id, {"reason": why})
+                self._emit_state(run_id, "run", run["state"], why)
+            return
+        self.waiting.pop(run_id, None)
+        self.restart_at.pop((run_id, stage), None)
+        if run["state"] == "pending":
+            self._move_run(run_id, "running", f"starting {stage}")
+        if s["state"] == "pending":
+            self._move_stage(run_id, stage, "running", "started")
+        number = (s["attempts"] or 0) + 1
+        attempt_dir = paths.attempt_dir(run_id, stage, number, self.home)
+        output_dir = Path(run["output_dir"] or paths.runs_dir(self.home) / str(run_id) / "out")
+        output_dir.mkdir(parents=True, exist_ok=True)
+        port_hint = None
+        attempt_id, number = store.new_attempt(self.db, run_id, stage, dir=str(attempt_dir),
+                                               world_size=world_size, devices=devices, master_port=port_hint)
+        try:
+            group = Group.spawn(run_id=run_id, stage=stage, attempt_id=attempt_id, attempt=number,
+                                dir=attempt_dir, world_size=world_size, devices=devices,
+                                output_dir=output_dir,
+                                config_path=paths.runs_dir(self.home) / str(run_id) / "config.json")
+        except OSError as exc:
+            # The daemon could not even start the processes: that is the root cause.
+            store.record_error(self.db, attempt_id, rank=None, type=type(exc).__name__, message=str(exc),
+                               traceback="", time_=time.time(), root_cause=True, source="spawn")
+            store.move_attempt(self.db, attempt_id, "failed", f"could not start ranks: {exc}")
+            self._move_stage(run_id, stage, "failed", f"could not start ranks: {exc}")
+            return
+        self.db["attempts"].update(attempt_id, {"master_port": group.master_port})
+        self.groups[attempt_id] = group
+        for r in group.ranks:
+            store.upsert_rank(self.db, attempt_id, r.rank, monitor_pid=r.monitor_pid,
+                              monitor_create_time=r.monitor_create_time, host=self.host, device=r.device,
+                              state="running", started_at=time.time(), log_path=str(r.log_path))
+        self._emit_state(run_id, "attempt", "running", f"attempt {number} started", stage=stage, attempt=number)
+        log.info("run %s: %s attempt %s started with %s ranks (devices %s)", run_id, stage, number,
+                 world_size, devices or "cpu")
+
+    # -- supervision ---------------------------------------------------------------------
+
+    def _spawn_task(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _cancel_group(self, group: Group, reason: str) -> None:
+        if group.teardown_since is None:
+            group.cancel_reason = reason
+            self._spawn_task(group.teardown(self.grace, reason))
+
+    def supervise(self) -> None:
+        """Check every group: record exits, tear down on the first failure, settle the end."""
+        for attempt_id, group in list(self.groups.items()):
+            learnt, exits = group.poll()
+            for r in learnt:
+                store.upsert_rank(self.db, attempt_id, r.rank, pid=r.pid, create_time=r.create_time)
+            for ex in exits:
+                self._record_exit(group, ex)
+            if group.teardown_since is None and any(group.counts_as_failure(e) for e in exits):
+                first = group.failures()[0]
+                self._spawn_task(group.teardown(self.grace, f"rank {first.rank} failed"))
+            if not group.alive and not group.tearing:
+                self._settle_group(group)
+
+    def _record_exit(self, group: Group, ex: RankExit) -> None:
+        state = "failed" if group.counts_as_failure(ex) else ("exited" if not ex.failed else "killed")
+        store.upsert_rank(self.db, group.attempt_id, ex.rank, state=state, exit_code=ex.exit_code,
+                          signal=ex.signal, oom_killed=int(ex.oom_killed), ended_at=ex.time,
+                          **({"pid": ex.pid} if ex.pid else {}))
+        self._emit_state(group.run_id, "rank", state, _exit_text(ex), stage=group.stage, attempt=group.attempt)
+
+    def _settle_group(self, group: Group) -> None:
+        del self.groups[group.attempt_id]
+        self.sampler.forget(group.attempt_id)
+        self.stage_live.pop((group.run_id, group.stage), None)
+        run_id, stage = group.run_id, group.stage
+        failures = group.failures()
+        for i, ex in enumerate(failures):
+            rec = describe_failure(group, ex, self.host)
+            store.record_error(self.db, group.attempt_id, root_cause=(i == 0), **rec)
+        srow = store.stage_row(self.db, run_id, stage)
+        summary = _read_json(group.dir / "summary.json")
+        if failures:
+            root = failures[0]
+            rec = describe_failure(group, root, self.host)
+            why = f"rank {root.rank} failed: {rec['type']}" + (f": {rec['message']}" if rec["message"] else "")
+            store.move_attempt(self.db, group.attempt_id, "failed", why)
+            if group.cancel_reason is None and srow["restarts"] < (srow["max_restarts"] or 0) and not self.stopping:
+                n = srow["restarts"] + 1
+                backoff = self._backoff(run_id, stage) * (2 ** (n - 1))
+                self.db["stages"].update(srow["id"], {"restarts": n})
+                self.restart_at[(run_id, stage)] = time.time() + backoff
+                self._emit_state(run_id, "stage", "running",
+                                 f"restart {n} of {srow['max_restarts']} in {backoff:.1f}s after {why}", stage=stage)
+                return
+            self._move_stage(run_id, stage, "failed", why)
+            self._finish_run(run_id, "failed", f"{stage}: {why}")
+        elif group.cancel_reason is not None:
+            store.move_attempt(self.db, group.attempt_id, "cancelled", group.cancel_reason)
+            self._move_stage(run_id, stage, "cancelled", group.cancel_reason)
+            self._finish_run(run_id, "cancelled", f"{stage}: {group.cancel_reason}")
+        else:
+            store.move_attempt(self.db, group.attempt_id, "succeeded", "every rank exited 0")
+            extra = {"summary_json": json.dumps(summary)} if summary is not None else {}
+            self._move_stage(run_id, stage, "succeeded", "every rank exited 0", **extra)
+        self.poke()
+
+    def _backoff(self, run_id: int, stage: str) -> float:
+        cfg = json.loads(self.db["runs"].get(run_id)["config_json"] or "{}")
+        return float(cfg.get("stages", {}).get(stage, {}).get("backoff", 2.0))
+
+    # -- metrics -------------------------------------------------------------------------
+
+    def sample(self, now: float) -> None:
+        refs = []
+        for g in self.groups.values():
+            for r in g.ranks:
+                if r.exit is None:
+                    refs.append(RankRef(g.run_id, g.stage, g.attempt, g.attempt_id, r.rank, r.monitor_pid,
+                                        r.monitor_create_time, g.dir / f"rank-{r.rank}.progress.jsonl"))
+        if not refs:
+            return
+        result = self.sampler.sample(refs, now)
+        for (attempt_id, rank), pids in result.descendants.items():
+            group = self.groups.get(attempt_id)
+            if group is not None:
+                group.seen.update(pids)
+        store.insert_metrics(self.db, result.metrics)
+        with self.db.conn:
+            for (attempt_id, rank), fields in result.ranks.items():
+                self.db.execute(
+                    "UPDATE ranks SET " + ", ".join(f"{k} = ?" for k in fields) + " WHERE attempt_id = ? AND rank = ?",
+                    [*fields.values(), attempt_id, rank])
+            for (run_id, stage), fields in result.stages.items():
+                self.stage_live[(run_id, stage)] = fields
+                cols = {k: fields[k] for k in ("tok_s", "peak_gpu_mem") if fields.get(k) is not None}
+                if cols:
+                    self.db.execute(
+                        "UPDATE stages SET " + ", ".join(f"{k} = ?" for k in cols) + " WHERE run_id = ? AND name = ?",
+                        [*cols.values(), run_id, stage])
+                    run_cols = dict(cols)
+                    if "peak_gpu_mem" in run_cols:
+                        self.db.execute("UPDATE runs SET peak_gpu_mem = max(coalesce(peak_gpu_mem, 0), ?) WHERE id = ?",
+                                        [run_cols.pop("peak_gpu_mem"), run_id])
+                    if run_cols:
+                        self.db.execute("UPDATE runs SET tok_s = ? WHERE id = ?", [run_cols["tok_s"], run_id])
+        by_group: dict[tuple, list] = {}
+        for row in result.metrics:
+            by_group.setdefault((row["run_id"], row["stage"], row["attempt"]), []).append(row)
+        for (run_id, stage, attempt), rows in by_group.items():
+            self.publish("metric", {"run_id": run_id, "stage": stage, "attempt": attempt, "samples": rows,
+                                    "live": self.stage_live.get((run_id, stage))})
+
+    # -- start-up and the loop -------------------------------------------------------------
+
+    def recover(self) -> None:
+        """Re-adopt the ranks of attempts that were running when the last daemon died.
+
+        A rank is adopted only if its monitor's pid *and* start time match, so a recycled
+        pid is never mistaken for it; ranks that ended meanwhile are settled from their
+        exit records and error files on the first supervision pass.
+        """
+        for a in self.db["attempts"].rows_where("state = 'running'"):
+            attempt_dir = Path(a["dir"])
+            group = Group(a["run_id"], a["stage"], a["id"], a["number"], attempt_dir, a["world_size"],
+                          json.loads(a["devices"] or "[]"), a["master_port"] or 0)
+            rows = {r["rank"]: r for r in self.db["ranks"].rows_where("attempt_id = ?", [a["id"]])}
+            for r in range(a["world_size"]):
+                row = rows.get(r) or {}
+                proc = _read_json(attempt_dir / f"rank-{r}.proc.json") or {}
+                mpid = row.get("monitor_pid") or proc.get("monitor_pid")
+                mct = row.get("monitor_create_time") or proc.get("monitor_create_time")
+                rank = Rank(r, attempt_dir / f"rank-{r}.log", mpid or 0, mct, None,
+                            row.get("pid") or proc.get("pid"), row.get("create_time") or proc.get("create_time"),
+                            row.get("device"))
+                if row.get("state") in ("exited", "failed", "killed"):
+                    rank.exit = RankExit(r, rank.pid, row.get("exit_code"), row.get("signal"),
+                                         row.get("ended_at") or time.time(),
+                                         _read_json(attempt_dir / f"rank-{r}.error.json"))
+                group.ranks.append(rank)
+            self.groups[a["id"]] = group
+            log.info("re-adopted run %s %s attempt %s (%s ranks)", a["run_id"], a["stage"], a["number"], a["world_size"])
+
+    async def shutdown(self, grace: float | None = None) -> None:
+        self.stopping = True
+        grace = self.grace if grace is None else grace
+        for g in list(self.groups.values()):
+            g.cancel_reason = g.cancel_reason or "the daemon was stopped"
+        await asyncio.gather(*(g.teardown(grace, "the daemon was stopped") for g in list(self.groups.values())))
+        self.supervise()
+        self._shutdown_done.set()
+
+    async def run(self) -> None:
+        """The supervision loop: 20 Hz rank checks, scheduling on change, 1 Hz sampling."""
+        self._shutdown_done = asyncio.Event()
+        self.recover()
+        while not self._shutdown_done.is_set():
+            now = time.time()
+            try:
+                self.supervise()
+                if self._dirty.is_set() or now - self._last_sample >= SAMPLE_PERIOD:
+                    self._dirty.clear()
+                    self.schedule()
+                if now - self._last_sample >= SAMPLE_PERIOD:
+                    self._last_sample = now
+                    self.sample(now)
+                if now - self._last_prune >= PRUNE_PERIOD:
+                    self._last_prune = now
+                    store.prune_metrics(self.db, max_age_s=METRICS_MAX_AGE, max_rows=METRICS_MAX_ROWS)
+            except Exception:
+                # The daemon survives its own bugs: log, and keep supervising.
+                log.exception("supervision pass failed")
+            try:
+                await asyncio.wait_for(self._dirty.wait(), timeout=0.05)
+            except asyncio.TimeoutError:
+                pass
+
+
+def _exit_text(ex: RankExit) -> str:
+    if ex.lost:
+        return f"rank {ex.rank} lost"
+    if ex.signal is not None:
+        return f"rank {ex.rank} killed by {ex.signal_name}" + (" (OOM)" if ex.oom_killed else "")
+    if ex.error is not None:
+        return f"rank {ex.rank} raised {ex.error.get('type')}"
+    return f"rank {ex.rank} exited with code {ex.exit_code}"

@@ -1,0 +1,94 @@
+"""`eyas submit --follow` and the demo: live progress of one run until it ends."""
+
+from __future__ import annotations
+
+import threading
+
+from eyas.state import paths, queries, store
+
+from .client import Client
+from .output import duration as human_duration
+
+TERMINAL_RUN = ("succeeded", "failed", "cancelled")
+
+
+def _snapshot(run_id: int) -> dict:
+    db = store.open_reader(paths.db_path())
+    try:
+        return queries.get_run(db, run_id)
+    finally:
+        db.conn.close()
+
+
+def follow(run_id: int, console=None) -> int:
+    """Show stage bars, tok/s and loss until the run ends; 0 if it succeeded."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = console or Console()
+    progress = Progress(TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
+    tasks: dict[str, int] = {}
+    client = Client(timeout=None)
+    events = client.subscribe(["state", "metric"], run=run_id)
+    run = _snapshot(run_id)
+    for s in run["stages"]:
+        done = s["state"] in ("succeeded", "skipped")
+        tasks[s["name"]] = progress.add_task(s["name"], total=1.0, completed=1.0 if done else 0.0,
+                                             info=s["state"])
+    final = run["state"] if run["state"] in TERMINAL_RUN else None
+    stop = threading.Event()
+    try:
+        with progress:
+            for ev in ([] if final else events):
+                d = ev.data
+                if ev.event == "state":
+                    if d.get("entity") == "stage" and d.get("stage") in tasks:
+                        done = d["to_state"] in ("succeeded", "skipped")
+                        progress.update(tasks[d["stage"]], info=d["to_state"],
+                                        **({"completed": 1.0} if done else {}))
+                    elif d.get("entity") == "rank" and "killed" in (d.get("reason") or "") or d.get("entity") == "stage" and d.get("to_state") == "failed":
+                        progress.console.print(f"[red]{d.get('stage')}: {d.get('reason')}[/red]")
+                    if d.get("entity") == "run" and d.get("to_state") in TERMINAL_RUN:
+                        final = d["to_state"]
+                        break
+                elif ev.event == "metric" and d.get("stage") in tasks:
+                    live = d.get("live") or {}
+                    bits = []
+                    if live.get("tok_s"):
+                        bits.append(f"{live['tok_s']:,.0f} tok/s")
+                    loss = [s["value"] for s in d.get("samples", []) if s["name"] == "loss"]
+                    if loss:
+                        bits.append(f"loss {loss[-1]:.3f}")
+                    if live.get("eta_s") is not None:
+                        bits.append(f"ETA {human_duration(live['eta_s'])}")
+                    progress.update(tasks[d["stage"]], completed=float(live.get("progress") or 0.0),
+                                    info="running " + " · ".join(bits))
+    except KeyboardInterrupt:
+        stop.set()
+        raise
+    finally:
+        client.close()
+    run = _snapshot(run_id)
+    summary(run, console)
+    return 0 if run["state"] == "succeeded" else 1
+
+
+def summary(run: dict, console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"run {run['id']} {run['name']}: {run['state']}")
+    for col in ("stage", "state", "attempts", "duration", "tok/s"):
+        table.add_column(col)
+    for s in run["stages"]:
+        table.add_row(s["name"], s["state"], str(s["attempts"]), human_duration(s["duration"]),
+                      f"{s['tok_s']:,.0f}" if s["tok_s"] else "")
+    console.print(table)
+    for s in run["stages"]:
+        for a in s["attempt_list"]:
+            rc = a["root_cause"]
+            if rc and a is s["attempt_list"][-1]:
+                console.print(f"[red]{s['name']} attempt {a['number']}: rank {rc['rank']} {rc['type']}"
+                              f"{': ' + rc['message'] if rc['message'] else ''}[/red]")
+    if run.get("output_dir"):
+        console.print(f"outputs: {run['output_dir']}")

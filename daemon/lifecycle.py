@@ -1,0 +1,108 @@
+"""`eyas daemon start|stop|status`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from eyas.state import paths
+
+from .client import Client, DaemonError, DaemonNotRunning
+
+
+def command(args) -> int:
+    return {"start": start, "stop": stop, "status": status}[args.action](args)
+
+
+def _ping(timeout: float = 2.0) -> dict | None:
+    try:
+        with Client(timeout=timeout) as c:
+            return c.request("ping")
+    except (DaemonNotRunning, DaemonError, OSError, TimeoutError):
+        return None
+
+
+def start(args) -> int:
+    home = paths.state_dir()
+    if args.foreground:
+        from . import main as daemon_main
+        return daemon_main.run(home, args.grace, to_stderr=True)
+    running = _ping()
+    if running:
+        print(f"eyas daemon already running (pid {running['pid']}) for {home}")
+        return 0
+    home.mkdir(parents=True, exist_ok=True)
+    # Detach: a new session, no terminal, nothing inherited from this shell. Early crashes
+    # (before logging is set up) land in daemon.out.
+    with open(home / "daemon.out", "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "eyas.daemon.main", "--home", str(home), "--grace", str(args.grace)],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True, close_fds=True,
+        )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        info = _ping()
+        if info:
+            print(f"eyas daemon started (pid {info['pid']})\n  socket   {paths.socket_path(home)}\n"
+                  f"  database {paths.db_path(home)}\n  log      {home / 'daemon.log'}")
+            return 0
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    tail = (home / "daemon.out").read_text(errors="replace")[-2000:]
+    print(f"eyas daemon did not start (exit {proc.poll()}):\n{tail}", file=sys.stderr)
+    return 1
+
+
+def stop(args) -> int:
+    try:
+        with Client(timeout=10) as c:
+            pid = c.request("ping")["pid"]
+            c.request("shutdown", **({"grace": args.grace} if args.grace is not None else {}))
+    except DaemonNotRunning:
+        print("eyas daemon is not running")
+        return 0
+    deadline = time.monotonic() + (args.grace if args.grace is not None else 10) + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            print(f"eyas daemon stopped (pid {pid})")
+            return 0
+        time.sleep(0.05)
+    print(f"eyas daemon (pid {pid}) did not stop in time", file=sys.stderr)
+    return 1
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def status(args) -> int:
+    try:
+        with Client(timeout=5) as c:
+            info = c.request("status")
+    except DaemonNotRunning:
+        if args.json:
+            print(json.dumps({"running": False, "home": str(paths.state_dir())}))
+        else:
+            print(f"eyas daemon is not running (state {paths.state_dir()})")
+        return 3
+    if args.json:
+        print(json.dumps({"running": True, **info}, indent=2))
+        return 0
+    print(f"eyas daemon running (pid {info['pid']}, up {_duration(info['uptime'])})")
+    print(f"  socket   {info['socket']}\n  database {info['database']}")
+    print(f"  GPUs     {'NVML' if info.get('gpu') else 'none (CPU figures only)'}")
+    if not info["active"]:
+        print("  no active runs")
+    for a in info["active"]:
+        rate = f", {a['tok_s']:.0f} tok/s" if a.get("tok_s") else ""
+        print(f"  run {a['run_id']}: {a['stage']} attempt {a['attempt']}, {a['world_size']} ranks{rate}")
+    for run_id, why in info.get("waiting", {}).items():
+        print(f"  run {run_id}: {why}")
+    return 0

@@ -1,0 +1,158 @@
+"""The import rules of ARCHITECTURE.md, checked on the source.
+
+import-linter cannot see `eyas`, an implicit namespace package assembled by setuptools'
+package-dir mapping, so this walks every import statement (lazy ones inside functions
+too) with `ast` and checks the same contracts.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"daemon": "eyas.daemon", "state": "eyas.state", "workers": "eyas.workers", "tui": "eyas.tui"}
+ENGINES = {"torch", "transformers", "vllm", "textual", "speculators", "safetensors", "datasets", "numpy"}
+# The only parts of eyas.workers the daemon may know: pure-stdlib specs.
+WORKER_SPECS = {"eyas.workers", "eyas.workers.specs", "eyas.workers.config"}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    parts = [FOLDERS[rel.parts[0]], *rel.with_suffix("").parts[1:]]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module that `path` imports, with relative imports resolved."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            else:
+                prefix = node.module
+            found.add(prefix)
+            # `from . import x` and `from eyas.workers import config` import submodules.
+            found.update(f"{prefix}.{alias.name}" for alias in node.names)
+    return found
+
+
+def sources(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+def _top(name: str) -> str:
+    return name.split(".")[0]
+
+
+def _eyas_module(name: str) -> bool:
+    return name == "eyas" or name.startswith("eyas.")
+
+
+def _violations(folder: str, rule) -> list[str]:
+    bad = []
+    for path in sources(folder):
+        for name in sorted(imports_of(path)):
+            why = rule(name)
+            if why:
+                bad.append(f"{path.relative_to(ROOT)} imports {name}: {why}")
+    return bad
+
+
+def _is_real_module(name: str) -> bool:
+    """`from eyas.workers import config` adds eyas.workers.config; `from x import func`
+    adds x.func, which is no module: only names that exist as files count."""
+    parts = name.split(".")
+    if parts[0] != "eyas" or len(parts) < 2 or parts[1] not in {v.split(".")[1] for v in FOLDERS.values()}:
+        return True
+    folder = next(k for k, v in FOLDERS.items() if v == ".".join(parts[:2]))
+    target = ROOT / folder / Path(*parts[2:]) if len(parts) > 2 else ROOT / folder
+    return target.with_suffix(".py").exists() or (target / "__init__.py").exists()
+
+
+def test_state_imports_nothing_of_eyas():
+    assert _violations("state", lambda n: "eyas.state must not import other eyas code"
+                       if _eyas_module(n) and not n.startswith("eyas.state") and _is_real_module(n) else
+                       "eyas.state is stdlib and sqlite-utils only" if _top(n) in ENGINES else None) == []
+
+
+def test_daemon_imports_no_engines_and_only_worker_specs():
+    def rule(n):
+        if _top(n) in ENGINES:
+            return "the daemon must start fast and stay small"
+        if n.startswith("eyas.workers") and n not in WORKER_SPECS and _is_real_module(n):
+            return "the daemon may know only eyas.workers.specs and eyas.workers.config"
+        if n.startswith("eyas.tui") and _is_real_module(n):
+            return "the daemon never imports the TUI"
+        return None
+    assert _violations("daemon", rule) == []
+
+
+def test_worker_specs_are_stdlib_only():
+    """What the daemon imports of eyas.workers must itself pull nothing heavy."""
+    bad = []
+    for name in WORKER_SPECS - {"eyas.workers"}:
+        path = ROOT / "workers" / (name.rsplit(".", 1)[1] + ".py")
+        for imp in imports_of(path):
+            if _top(imp) in ENGINES or (_eyas_module(imp) and imp not in WORKER_SPECS and _is_real_module(imp)):
+                bad.append(f"{path.name} imports {imp}")
+    assert bad == []
+
+
+def test_workers_import_no_daemon_or_tui():
+    assert _violations("workers", lambda n: "workers meet the daemon only through the rank contract"
+                       if (n.startswith("eyas.daemon") or n.startswith("eyas.tui")) and _is_real_module(n)
+                       else None) == []
+
+
+def test_tui_uses_only_client_protocol_and_read_only_state():
+    allowed_daemon = {"eyas.daemon", "eyas.daemon.client", "eyas.daemon.protocol", "eyas.daemon.output"}
+    allowed_state = {"eyas.state", "eyas.state.queries", "eyas.state.paths", "eyas.state.machine", "eyas.state.store"}
+
+    def rule(n):
+        if n.startswith("eyas.daemon") and n not in allowed_daemon and _is_real_module(n):
+            return "the TUI talks to the daemon only through eyas.daemon.client"
+        if n.startswith("eyas.state") and n not in allowed_state and _is_real_module(n):
+            return "the TUI reads state only through the read-only queries"
+        if n.startswith("eyas.workers") or _top(n) in {"torch", "transformers", "vllm"}:
+            return "the TUI loads no engines"
+        return None
+    assert _violations("tui", rule) == []
+
+
+def test_the_checker_sees_violations(tmp_path):
+    """The rule walker must catch a lazy import inside a function; otherwise the tests above prove nothing."""
+    probe = ROOT / "daemon" / "_probe_import_rules.py"
+    probe.write_text("def f():\n    import torch\n    from ..workers import runtime\n")
+    try:
+        found = imports_of(probe)
+    finally:
+        probe.unlink()
+    assert {"torch", "eyas.workers.runtime"} <= found
+
+
+@pytest.mark.parametrize("command", [["runs", "--json"], ["daemon", "status", "--json"], ["--help"]])
+def test_light_commands_do_not_load_engines(tmp_path, command):
+    code = (
+        "import sys, os\n"
+        "from eyas.daemon.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "heavy = sorted(m for m in ('torch','transformers','vllm','textual','speculators') if m in sys.modules)\n"
+        "print('HEAVY=' + ','.join(heavy), file=sys.stderr)\n"
+    )
+    env = {"EYAS_HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "XDG_RUNTIME_DIR": str(tmp_path / "rt")}
+    out = subprocess.run([sys.executable, "-c", code, *command], capture_output=True, text=True, env=env, timeout=60)
+    assert "HEAVY=\n" in out.stderr, out.stderr

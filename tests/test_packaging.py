@@ -1,0 +1,44 @@
+"""A regular (non-editable) install lays out one `eyas` namespace and an `eyas` script."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_maps_folders_into_the_eyas_namespace(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path / "dist"), str(ROOT)], check=True, capture_output=True, timeout=300)
+    wheel = next((tmp_path / "dist").glob("eyas-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert tops == {"eyas", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info"}
+    for module in ("eyas/daemon/cli.py", "eyas/state/store.py", "eyas/workers/specs.py", "eyas/tui/__init__.py",
+                   "eyas/workers/examples/demo.toml"):
+        assert module in names, module
+    entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "eyas = eyas.daemon.cli:main" in entry
+
+    # Import from the unpacked wheel alone: -S keeps the editable finder of the dev venv out.
+    target = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(target)
+    deps = sysconfig.get_paths()["purelib"]
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", "import eyas.state.store, eyas.daemon.cli as c; print(c.__file__)"],
+        env={"PYTHONPATH": f"{target}:{deps}"}, capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(target / "eyas" / "daemon" / "cli.py")
+
+
+def test_editable_install_serves_the_working_tree():
+    import eyas.daemon.cli
+    import eyas.state.store
+
+    assert Path(eyas.state.store.__file__).resolve() == ROOT / "state" / "store.py"
+    assert Path(eyas.daemon.cli.__file__).resolve() == ROOT / "daemon" / "cli.py"
