@@ -21,6 +21,12 @@ def test_wheel_maps_folders_into_the_eyas_namespace(tmp_path):
     for module in ("eyas/daemon/cli.py", "eyas/state/store.py", "eyas/workers/specs.py", "eyas/tui/__init__.py",
                    "eyas/workers/examples/demo.toml"):
         assert module in names, module
+    # Every package folder of the tree is in the wheel: a sub-package missing from
+    # pyproject's explicit list would import in the editable install and vanish here.
+    for folder, namespace in (("daemon", "eyas/daemon"), ("state", "eyas/state"), ("workers", "eyas/workers"), ("tui", "eyas/tui")):
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.relative_to(ROOT / folder).as_posix()
+            assert f"{namespace}/{rel}" in names, f"{folder}/{rel} is not packaged"
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "eyas = eyas.daemon.cli:main" in entry
 

@@ -1,0 +1,402 @@
+"""The worker side of the rank contract, with real processes and no daemon.
+
+`start_rank` does what the daemon does: an attempt dir, the rank log opened O_APPEND, the
+contract's environment, and `python -m eyas.workers.monitor` as a new session's leader.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from eyas.workers import atomic
+from eyas.workers.progress import ProgressWriter, read_new
+from eyas.workers.runtime import LOG_FORMAT
+
+DEADLINE = 60.0  # generous: a loaded 2-core machine starts Pythons slowly
+
+
+def wait_for(predicate, what: str, timeout: float = DEADLINE):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@dataclass
+class Rank:
+    proc: subprocess.Popen
+    attempt_dir: Path
+    output_dir: Path
+    rank: int
+
+    def file(self, suffix: str) -> Path:
+        return self.attempt_dir / f"rank-{self.rank}.{suffix}"
+
+    def json(self, suffix: str) -> dict:
+        return json.loads(self.file(suffix).read_text())
+
+    def log(self) -> str:
+        return self.file("log").read_text()
+
+    def progress(self) -> list[dict]:
+        records, _, corrupt = read_new(self.file("progress.jsonl"), 0)
+        assert corrupt == 0
+        return records
+
+    def wait(self) -> int:
+        return self.proc.wait(timeout=DEADLINE)
+
+    def wait_log(self, text: str) -> None:
+        wait_for(lambda: self.file("log").exists() and text in self.log(), f"{text!r} in the log")
+
+    def proc_json(self) -> dict:
+        wait_for(lambda: self.file("proc.json").exists(), "rank proc.json")
+        return self.json("proc.json")
+
+
+@pytest.fixture
+def start_rank(tmp_path):
+    started: list[Rank] = []
+
+    def start(options: dict | None = None, *, rank: int = 0, world_size: int = 1, attempt: int = 1,
+              stage: str = "selftest", preexec_fn=None) -> Rank:
+        attempt_dir = tmp_path / "runs" / "7" / stage / f"attempt-{attempt}"
+        attempt_dir.mkdir(parents=True, exist_ok=True)
+        output_dir = tmp_path / "out"
+        config = tmp_path / f"config-{attempt}.json"
+        config.write_text(json.dumps({"stages": {stage: {"options": options or {}}}}))
+        env = {
+            **os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511", "EYAS_RUN_ID": "7",
+            "EYAS_STAGE": stage, "EYAS_ATTEMPT": str(attempt), "EYAS_ATTEMPT_DIR": str(attempt_dir),
+            "EYAS_OUTPUT_DIR": str(output_dir), "EYAS_CONFIG": str(config), "PYTHONUNBUFFERED": "1",
+        }
+        log_fd = os.open(attempt_dir / f"rank-{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "eyas.workers.monitor"], stdin=subprocess.DEVNULL,
+                                    stdout=log_fd, stderr=log_fd, env=env, start_new_session=True,
+                                    preexec_fn=preexec_fn)
+        finally:
+            os.close(log_fd)
+        started.append(Rank(proc, attempt_dir, output_dir, rank))
+        return started[-1]
+
+    yield start
+    for r in started:  # a failed test must not leave a rank group behind
+        try:
+            os.killpg(r.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        r.proc.wait(timeout=DEADLINE)
+
+
+def gone(pid: int) -> bool:
+    """Dead, or a zombie that init has not reaped yet (it can no longer run)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def exit_fields(record: dict) -> dict:
+    assert isinstance(record.pop("time"), float)
+    return record
+
+
+# --- the monitor and the runtime -----------------------------------------------------------
+
+def test_success_records_pids_progress_exit_and_result(start_rank):
+    r = start_rank({"steps": 10, "step_time": 0.1})
+    proc = r.proc_json()
+    assert set(proc) == {"monitor_pid", "monitor_create_time", "pid", "create_time"}
+    assert proc["monitor_pid"] == r.proc.pid
+    # Checked while both run: this is how the daemon will recognise its ranks after a restart.
+    assert psutil.Process(proc["pid"]).create_time() == proc["create_time"]
+    assert psutil.Process(proc["monitor_pid"]).create_time() == proc["monitor_create_time"]
+    assert psutil.Process(proc["pid"]).ppid() == proc["monitor_pid"]
+    assert os.getpgid(proc["pid"]) == proc["monitor_pid"]  # same process group as the monitor
+    assert r.wait() == 0
+
+    assert exit_fields(r.json("exit.json")) == {
+        "pid": proc["pid"], "exit_code": 0, "signal": None, "signal_name": None, "core_dumped": False}
+    assert not r.file("error.json").exists()
+    last = r.progress()[-1]
+    assert (last["samples"], last["samples_total"], last["tokens"], last["tokens_total"]) == (10, 10, 1000, 1000)
+    assert last["loss"] == pytest.approx(0.1)
+    result = json.loads((r.output_dir / "selftest" / "rank-0.result.json").read_text())
+    assert result == {"steps_run_this_attempt": 10, "steps_total": 10}
+    log = r.log()
+    assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO eyas\.selftest: step 10/10$", log, re.M)
+    assert log.count("eyas.selftest: step ") == 10
+    assert "eyas.runtime: rank 0/1: stage selftest, attempt 1" in log
+    assert not list(r.attempt_dir.glob(".*.tmp"))  # atomic writes left no temp files
+
+
+@pytest.mark.parametrize("mode, type_, message, code", [
+    ("raise-empty", "RuntimeError", "", 1),
+    ("raise", "RuntimeError", "selftest failure", 1),
+    ("exit", "SystemExit", "exit code 3", 3),
+])
+def test_exception_is_recorded_in_error_json(start_rank, mode, type_, message, code):
+    r = start_rank({"fail": mode, "fail_rank": 1, "fail_at_step": 2, "step_time": 0.01},
+                   rank=1, world_size=2, attempt=2)
+    assert r.wait() == code
+    error = r.json("error.json")
+    exit_ = exit_fields(r.json("exit.json"))
+    assert exit_ == {"pid": error["pid"], "exit_code": code, "signal": None, "signal_name": None,
+                     "core_dumped": False}
+    assert error["pid"] == r.json("proc.json")["pid"]
+    assert (error["type"], error["message"]) == (type_, message)
+    assert "selftest.py" in error["traceback"] and type_ in error["traceback"]
+    assert (error["rank"], error["host"], error["stage"], error["attempt"]) == (1, socket.gethostname(), "selftest", 2)
+    assert abs(datetime.datetime.fromisoformat(error["timestamp"]).timestamp() - error["time"]) < 1e-3
+    assert error["traceback"] in r.log()  # the same traceback reaches the log
+    # Steps before the failing one were done and reported.
+    assert r.progress()[-1]["samples"] == 2
+
+
+def test_unknown_stage_is_an_error(start_rank):
+    r = start_rank(stage="nope")
+    assert r.wait() == 1
+    error = r.json("error.json")
+    assert error["type"] == "LookupError"
+    assert error["message"].startswith("unknown stage 'nope': use one of prepare, extract")
+
+
+def test_bad_selftest_option_names_the_fix(start_rank):
+    r = start_rank({"fail": "explode"})
+    assert r.wait() == 1
+    error = r.json("error.json")
+    assert (error["type"], error["message"]) == (
+        "ValueError",
+        "selftest option fail='explode' is unknown: use one of raise, raise-empty, exit, segfault, "
+        "sigkill, children, hang")
+
+
+def test_sigkill_is_named_by_the_monitor(start_rank):
+    r = start_rank({"fail": "sigkill", "step_time": 0.01})
+    assert r.wait() == 128 + 9
+    pid = r.json("proc.json")["pid"]
+    assert exit_fields(r.json("exit.json")) == {
+        "pid": pid, "exit_code": None, "signal": 9, "signal_name": "SIGKILL", "core_dumped": False}
+    assert not r.file("error.json").exists()
+    assert f"eyas: rank 0 (pid {pid}) was killed by SIGKILL\n" in r.log()
+
+
+def _no_core():
+    # A segfault must not drop a core file into the test's working directory.
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def test_segfault_leaves_a_stack_in_the_log(start_rank):
+    r = start_rank({"fail": "segfault", "step_time": 0.01}, preexec_fn=_no_core)
+    assert r.wait() == 128 + 11
+    log = r.log()
+    assert "Fatal Python error: Segmentation fault" in log
+    stack = log.split("Fatal Python error: Segmentation fault", 1)[1]
+    assert re.search(r'File ".*selftest\.py", line \d+ in _fail', stack)
+    assert exit_fields(r.json("exit.json")) == {
+        "pid": r.json("proc.json")["pid"], "exit_code": None, "signal": 11, "signal_name": "SIGSEGV",
+        "core_dumped": False}
+    assert not r.file("error.json").exists()
+
+
+def test_worker_killed_from_outside(start_rank):
+    r = start_rank({"fail": "hang"})
+    pid = r.proc_json()["pid"]
+    r.wait_log("eyas.selftest: hanging")
+    os.kill(pid, signal.SIGKILL)
+    assert r.wait() == 137
+    assert exit_fields(r.json("exit.json")) == {
+        "pid": pid, "exit_code": None, "signal": 9, "signal_name": "SIGKILL", "core_dumped": False}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_signal_to_the_monitor_is_forwarded(start_rank, sig):
+    r = start_rank({"fail": "hang"})
+    pid = r.proc_json()["pid"]
+    r.wait_log("eyas.selftest: hanging")
+    os.kill(r.proc.pid, sig)
+    assert r.wait() == 128 + sig
+    assert exit_fields(r.json("exit.json")) == {
+        "pid": pid, "exit_code": None, "signal": int(sig), "signal_name": sig.name, "core_dumped": False}
+    assert f"eyas: rank 0 (pid {pid}) was killed by {sig.name}\n" in r.log()
+    assert not psutil.pid_exists(pid)  # the monitor reaped it
+
+
+def test_sigint_to_the_monitor_becomes_keyboardinterrupt(start_rank):
+    r = start_rank({"fail": "hang"})
+    r.wait_log("eyas.selftest: hanging")
+    os.kill(r.proc.pid, signal.SIGINT)
+    assert r.wait() == 1
+    error = r.json("error.json")
+    assert (error["type"], error["message"]) == ("KeyboardInterrupt", "")
+    assert "selftest.py" in error["traceback"]
+    assert exit_fields(r.json("exit.json"))["exit_code"] == 1
+
+
+def test_process_group_kill_reaches_leftover_children(start_rank):
+    r = start_rank({"fail": "children", "step_time": 0.01})
+    assert r.wait() == 1
+    assert r.json("error.json")["type"] == "RuntimeError"
+    kids = r.json("children.json")
+    pids = kids["children"] + kids["grandchildren"]
+    assert len(kids["children"]) == 2 and len(kids["grandchildren"]) == 1
+    # The rank is over, yet its processes live on, reparented, in the monitor's group.
+    for pid in pids:
+        assert not gone(pid), f"pid {pid} should still run"
+        assert os.getpgid(pid) == r.proc.pid
+    os.killpg(r.proc.pid, signal.SIGKILL)  # what the daemon does after a rank group ends
+    for pid in pids:
+        wait_for(lambda: gone(pid), f"pid {pid} to die")
+
+
+def test_resume_skips_steps_done_by_an_earlier_attempt(start_rank):
+    options = {"steps": 10, "step_time": 0.01, "fail": "raise", "fail_at_step": 5, "fail_attempts": [1]}
+    first = start_rank(options, attempt=1)
+    assert first.wait() == 1
+    assert first.json("error.json")["message"] == "selftest failure"
+    assert "resuming" not in first.log()
+    second = start_rank(options, attempt=2)
+    assert second.wait() == 0
+    assert "eyas.selftest: resuming at step 5\n" in second.log()
+    assert second.log().count("eyas.selftest: step ") == 5
+    result = json.loads((second.output_dir / "selftest" / "rank-0.result.json").read_text())
+    assert result == {"steps_run_this_attempt": 5, "steps_total": 10}
+    progress = second.progress()
+    assert (progress[0]["samples"], progress[-1]["samples"]) == (5, 10)
+    done = (second.output_dir / "selftest" / "rank-0.done").read_text().split()
+    assert done == [str(n) for n in range(10)]
+
+
+def test_flood_of_20000_lines_per_second_loses_nothing(start_rank):
+    rate = 20_000
+    ranks = [start_rank({"lines_per_sec": rate, "duration": 1.0}, rank=n, world_size=2) for n in (0, 1)]
+    for r in ranks:
+        assert r.wait() == 0
+    for r in ranks:
+        log = r.log()
+        numbers = Counter(int(n) for n in re.findall(rf"^r{r.rank} line (\d+)$", log, re.M))
+        assert sorted(numbers) == list(range(rate)) and set(numbers.values()) == {1}
+        assert f"eyas.selftest: wrote {rate} lines\n" in log
+        progress = r.progress()
+        assert progress[-1]["samples"] == 20  # 1 s in steps of 0.05 s
+        # The rate was met, with a wide margin for a loaded machine.
+        assert progress[-1]["time"] - progress[0]["time"] < 4.0
+
+
+def test_workers_modules_stay_light():
+    code = ("import sys, eyas.workers.monitor, eyas.workers.runtime, eyas.workers.progress, "
+            "eyas.workers.atomic, eyas.workers.stages.selftest; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'torch', 'numpy', 'transformers', 'vllm', 'textual', 'eyas.daemon', 'eyas.tui'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out == "[]\n"
+
+
+def test_log_format_starts_with_a_timestamp():
+    assert LOG_FORMAT.startswith("%(asctime)s ")
+
+
+# --- progress writer and reader ------------------------------------------------------------
+
+def test_progress_reader_waits_for_a_complete_last_line(tmp_path):
+    path = tmp_path / "rank-0.progress.jsonl"
+    assert read_new(path, 0) == ([], 0, 0)  # no file yet
+    first = b'{"time": 1.0, "samples": 1}\n'
+    path.write_bytes(first + b'{"time": 2.0, "sam')
+    records, offset, corrupt = read_new(path, 0)
+    assert (records, offset, corrupt) == ([{"time": 1.0, "samples": 1}], len(first), 0)
+    assert read_new(path, offset) == ([], offset, 0)  # the half line stays unread
+    with open(path, "ab") as f:
+        f.write(b'ples": 2}\n')
+    records, offset2, corrupt = read_new(path, offset)
+    assert (records, offset2, corrupt) == ([{"time": 2.0, "samples": 2}], path.stat().st_size, 0)
+
+
+def test_progress_reader_skips_and_counts_corrupt_lines(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"samples": 1}\n{not json\n\n[1, 2]\n\xff\xfe\n{"samples": 2}\n')
+    records, offset, corrupt = read_new(path, 0)
+    assert (records, offset, corrupt) == ([{"samples": 1}, {"samples": 2}], path.stat().st_size, 3)
+    # A file shorter than the offset was replaced: it is read again from the start.
+    path.write_bytes(b'{"samples": 9}\n')
+    assert read_new(path, offset) == ([{"samples": 9}], 15, 0)
+
+
+def test_progress_reader_reads_a_backlog_in_pieces(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"".join(b'{"samples": %d}\n' % n for n in range(10)))  # 15 or 16 bytes a line
+    records, offset, _ = read_new(path, 0, max_bytes=40)
+    assert [r["samples"] for r in records] == [0, 1]
+    records, offset, _ = read_new(path, offset, max_bytes=10_000)
+    assert [r["samples"] for r in records] == list(range(2, 10))
+    path.write_bytes(b"x" * 50)  # one line longer than max_bytes, never finished
+    assert read_new(path, 0, max_bytes=40) == ([], 40, 1)
+
+
+def test_progress_writer_throttles_but_never_loses_the_last_update(tmp_path):
+    path = tmp_path / "p.jsonl"
+    writer = ProgressWriter(path, min_interval=3600)
+    assert writer.update(samples=0, samples_total=100, tokens=0, tokens_total=1000) is True  # totals set
+    for n in range(1, 51):
+        assert writer.update(samples=n, tokens=10 * n, loss=1.0 / n) is False
+    assert writer.update(samples=50, samples_total=200) is True  # a total changed
+    assert writer.update(samples=60, acc_0=0.5) is False
+    writer.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    for line in lines:
+        assert isinstance(line.pop("time"), float)
+    assert lines == [
+        {"samples": 0, "samples_total": 100, "tokens": 0, "tokens_total": 1000},
+        {"samples": 50, "samples_total": 200, "tokens": 500, "tokens_total": 1000, "loss": 0.02},
+        {"samples": 60, "samples_total": 200, "tokens": 500, "tokens_total": 1000, "acc_0": 0.5},
+    ]
+    writer.close()  # nothing pending: nothing more written
+    assert len(path.read_text().splitlines()) == 3
+
+
+def test_progress_writer_writes_again_after_the_interval(tmp_path):
+    path = tmp_path / "p.jsonl"
+    with ProgressWriter(path, min_interval=0.05) as writer:
+        writer.update(samples=1, samples_total=3)
+        assert writer.update(samples=2) is False
+        time.sleep(0.06)
+        assert writer.update(samples=3) is True
+    assert [json.loads(line)["samples"] for line in path.read_text().splitlines()] == [1, 3]
+
+
+# --- atomic writes -------------------------------------------------------------------------
+
+def test_atomic_write_replaces_whole_and_cleans_up_on_failure(tmp_path):
+    target = tmp_path / "x.json"
+    atomic.write_json(target, {"a": 1})
+    atomic.write_json(target, {"a": 2})
+    assert json.loads(target.read_text()) == {"a": 2}
+    with pytest.raises(RuntimeError, match="half way"):
+        with atomic.atomic_path(target) as tmp:
+            tmp.write_text("partial")
+            raise RuntimeError("half way")
+    assert json.loads(target.read_text()) == {"a": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
+    with atomic.atomic_path(tmp_path / "y.bin") as tmp:
+        tmp.write_bytes(b"\x00\x01")  # as safetensors' save_file(tensors, tmp) would
+    assert (tmp_path / "y.bin").read_bytes() == b"\x00\x01"

@@ -1,0 +1,83 @@
+"""Atomic file writes: a reader sees the old file or the whole new one, never a torn one.
+
+Write to a temp file in the same directory (so the rename stays on one filesystem), fsync
+it, then os.replace it over the target. Stdlib only: the rank monitor imports this and
+must start fast, so the temp name is made here rather than through `tempfile` (which pulls
+in `random`, `shutil` and more for a name we can make unique from pid + counter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+_counter = itertools.count()
+
+
+def _temp_name(path: Path) -> Path:
+    # Dot-prefixed so globs like rank-*.json never match a half-written file.
+    return path.with_name(f".{path.name}.{os.getpid()}.{next(_counter)}.tmp")
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes the rename itself durable; not every filesystem lets a directory be fsynced.
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temp path next to `path`; on a clean exit fsync it and move it over `path`.
+
+    For libraries that write a file themselves (safetensors' `save_file(tensors, tmp)`).
+    On an exception the temp file is removed and `path` is left as it was.
+    """
+    path = Path(path)
+    tmp = _temp_name(path)
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write `data` to `path` atomically (temp file in the same dir + fsync + os.replace)."""
+    with atomic_path(path) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:  # os.write may write less than asked
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+
+
+def write_text(path: str | os.PathLike[str], text: str) -> None:
+    write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: str | os.PathLike[str], obj: Any) -> None:
+    """Write `obj` as one JSON document (with a final newline) atomically."""
+    write_text(path, json.dumps(obj, indent=1) + "\n")

@@ -1,0 +1,143 @@
+"""The rank monitor: `python -m eyas.workers.monitor`, one per rank (like podman's conmon).
+
+The daemon starts it as the leader of a new session, with stdout and stderr already the
+rank's log. It runs the rank runtime as its child, forwards SIGTERM/SIGINT/SIGHUP to it,
+and when the child ends writes rank-<r>.exit.json. The exit status is thus kept on disk even
+while the daemon is down, and a death by signal is named even though nothing in the dead
+process could say so. It must start fast: stdlib + psutil only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from eyas.workers import atomic
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def exit_record(pid: int, status: int) -> dict:
+    """The rank-<r>.exit.json record for a raw wait status."""
+    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+    return {
+        "pid": pid,
+        "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+        "signal": sig,
+        "signal_name": _signal_name(sig) if sig is not None else None,
+        "time": time.time(),
+        "core_dumped": bool(sig is not None and os.WCOREDUMP(status)),
+    }
+
+
+class _Forwarder:
+    """Signal handler that passes signals on to the worker, through a pidfd when it can.
+
+    A pidfd names this very process even after it has been reaped, so a late signal can
+    never hit an unrelated process that reused the pid.
+    """
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.pidfd: int | None = None
+        self.early: list[int] = []  # signals that came before the worker existed
+        self.reaped = False
+
+    def attach(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        try:
+            self.pidfd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            self.pidfd = None
+        for sig in self.early:
+            self.send(sig)
+
+    def send(self, sig: int) -> None:
+        if self.proc is None:
+            self.early.append(sig)
+            return
+        if self.reaped:
+            return
+        try:
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, sig)
+            else:
+                os.kill(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def __call__(self, sig: int, frame: object) -> None:
+        self.send(sig)
+
+
+def main() -> int:
+    rank = os.environ.get("RANK") or "0"
+    if not os.environ.get("EYAS_ATTEMPT_DIR"):
+        print("eyas: EYAS_ATTEMPT_DIR is not set: the rank monitor runs under the daemon, "
+              "which sets it to the attempt's directory", file=sys.stderr)
+        return 2
+    attempt_dir = Path(os.environ["EYAS_ATTEMPT_DIR"])
+    forwarder = _Forwarder()
+    # Handlers go in before the spawn, so a signal in between is not lost.
+    for sig in FORWARDED:
+        signal.signal(sig, forwarder)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "eyas.workers.runtime"],
+                                stdin=subprocess.DEVNULL)
+    except OSError as exc:
+        # Rare (a broken interpreter path): record it like any rank error, so it is not silent.
+        from eyas.workers import runtime
+
+        record = runtime.error_record(exc, rank=runtime.int_or_none(rank),
+                                      stage=os.environ.get("EYAS_STAGE"),
+                                      attempt=runtime.int_or_none(os.environ.get("EYAS_ATTEMPT")))
+        runtime.write_error(attempt_dir / f"rank-{rank}.error.json", record)
+        print(f"eyas: rank {rank}: could not start the rank runtime: {exc}", file=sys.stderr, flush=True)
+        return 1
+    forwarder.attach(proc)
+    try:
+        atomic.write_json(attempt_dir / f"rank-{rank}.proc.json", {
+            "monitor_pid": os.getpid(),
+            "monitor_create_time": psutil.Process().create_time(),
+            "pid": proc.pid,
+            "create_time": psutil.Process(proc.pid).create_time(),
+        })
+    except (OSError, psutil.Error) as exc:
+        # Keep supervising: the exit file is still worth having.
+        print(f"eyas: rank {rank}: could not write rank-{rank}.proc.json: {exc}", file=sys.stderr, flush=True)
+
+    # os.waitpid rather than proc.wait(): only the raw status tells a core dump. It is
+    # retried on EINTR (PEP 475), so forwarded signals do not end the wait.
+    _, status = os.waitpid(proc.pid, 0)
+    forwarder.reaped = True
+    proc.returncode = os.waitstatus_to_exitcode(status)  # stop Popen from reaping again
+    record = exit_record(proc.pid, status)
+    if forwarder.pidfd is not None:
+        os.close(forwarder.pidfd)
+    if record["signal"] is not None:
+        core = " (core dumped)" if record["core_dumped"] else ""
+        print(f"eyas: rank {rank} (pid {proc.pid}) was killed by {record['signal_name']}{core}", flush=True)
+    try:
+        atomic.write_json(attempt_dir / f"rank-{rank}.exit.json", record)
+    except OSError as exc:
+        print(f"eyas: rank {rank}: could not write rank-{rank}.exit.json: {exc}", file=sys.stderr, flush=True)
+    if record["signal"] is not None:
+        return 128 + record["signal"]
+    return record["exit_code"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

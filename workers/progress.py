@@ -1,0 +1,140 @@
+"""Progress lines of one rank: rank-<r>.progress.jsonl, written by the rank, read by the daemon.
+
+Each line is one JSON object: {"time", "samples", "samples_total", "tokens", "tokens_total",
+...metrics}, counts cumulative. The writer appends each line with a single write() on an
+O_APPEND descriptor, so a reader sees whole lines, except for the last one while it is being
+written or after a crash mid-write; `read_new` leaves such a tail for the next call.
+
+Stdlib only (json, os, time), and `read_new` is a pure function of the file, so the daemon's
+sampler can use it (or a copy of it) without importing anything of the rank side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, NamedTuple
+
+_COUNTS = ("samples", "samples_total", "tokens", "tokens_total")
+
+
+class ProgressWriter:
+    """Append progress lines, at most one per `min_interval` seconds unless forced.
+
+    A throttled update is not lost: it is kept pending and written by the next write, by
+    `flush()` or by `close()`. A change of a total is always written at once, because the
+    daemon uses totals to compute the ETA.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], min_interval: float = 0.25):
+        self.path = os.fspath(path)
+        self.min_interval = min_interval
+        self._fd: int | None = None
+        self._counts: dict[str, Any] = dict.fromkeys(_COUNTS)
+        self._metrics: dict[str, Any] = {}  # metrics not yet written
+        self._pending = False
+        self._last_write = float("-inf")
+
+    def update(self, samples: int | None = None, tokens: int | None = None,
+               samples_total: int | None = None, tokens_total: int | None = None,
+               force: bool = False, **metrics: Any) -> bool:
+        """Record cumulative counts and metrics; return True when a line was written."""
+        totals_changed = False
+        for key, value in (("samples", samples), ("tokens", tokens),
+                           ("samples_total", samples_total), ("tokens_total", tokens_total)):
+            if value is None:
+                continue
+            if key.endswith("_total") and value != self._counts[key]:
+                totals_changed = True
+            self._counts[key] = value
+        self._metrics.update(metrics)
+        self._pending = True
+        if force or totals_changed or time.monotonic() - self._last_write >= self.min_interval:
+            self.flush()
+            return True
+        return False
+
+    def flush(self) -> None:
+        """Write the pending update now, if there is one."""
+        if not self._pending:
+            return
+        record = {"time": time.time(), **self._counts, **self._metrics}
+        line = (json.dumps(record, default=_jsonable) + "\n").encode("utf-8")
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.write(self._fd, line)  # one write: whole lines for readers (O_APPEND)
+        self._metrics.clear()
+        self._pending = False
+        self._last_write = time.monotonic()
+
+    def close(self) -> None:
+        """Write the last pending update and close the file; later updates reopen it."""
+        try:
+            self.flush()
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def __enter__(self) -> ProgressWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _jsonable(value: Any) -> Any:
+    # Metrics often arrive as numpy or torch scalars; both have .item().
+    item = getattr(value, "item", None)
+    if callable(item):
+        return item()
+    return str(value)
+
+
+class ReadResult(NamedTuple):
+    records: list[dict[str, Any]]
+    offset: int     # where the next read starts: just past the last complete line
+    corrupt: int    # complete lines that were not a JSON object, skipped
+
+
+def read_new(path: str | os.PathLike[str], offset: int = 0,
+             max_bytes: int = 8 << 20) -> ReadResult:
+    """Parse the complete lines of `path` from byte `offset` on: (records, new_offset, corrupt).
+
+    A last line without its newline is left for the next call. A complete line that is not
+    a JSON object is skipped and counted. A missing file reads as nothing new; a file shorter
+    than `offset` (replaced or truncated) is read again from the start. At most `max_bytes`
+    are read per call, so a large backlog comes in pieces.
+    """
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < offset:
+                offset = 0
+            f.seek(offset)
+            chunk = f.read(max_bytes)
+    except FileNotFoundError:
+        return ReadResult([], offset, 0)
+    end = chunk.rfind(b"\n")
+    if end < 0:
+        if len(chunk) < max_bytes:
+            return ReadResult([], offset, 0)
+        # A single line longer than max_bytes: no writer makes one; skip it as corrupt so the
+        # reader does not stall on it forever.
+        return ReadResult([], offset + len(chunk), 1)
+    records: list[dict[str, Any]] = []
+    corrupt = 0
+    for raw in chunk[:end].split(b"\n"):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except ValueError:  # includes UnicodeDecodeError
+            corrupt += 1
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            corrupt += 1
+    return ReadResult(records, offset + end + 1, corrupt)

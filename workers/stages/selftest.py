@@ -1,0 +1,166 @@
+"""The `selftest` stage: exercises the supervisor without a model (tests and benchmarks).
+
+It runs `steps` steps of `step_time` seconds, reports progress every step, can flood its log
+at a set rate, resumes where an earlier attempt stopped, and fails on demand in every way a
+real rank can: an exception, an empty exception, sys.exit, a segfault, SIGKILL, leftover
+child processes, or a hang. Options come from config["stages"]["selftest"]["options"].
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, fields
+
+from eyas.workers import atomic
+
+log = logging.getLogger("eyas.selftest")
+
+FAIL_MODES = ("raise", "raise-empty", "exit", "segfault", "sigkill", "children", "hang")
+
+
+@dataclass(frozen=True)
+class Options:
+    steps: int = 10
+    step_time: float = 0.05
+    lines_per_sec: int = 0          # 0: one log line per step
+    duration: float | None = None   # with lines_per_sec: flood for this long (sets steps)
+    tokens_per_step: int = 100
+    fail: str | None = None         # one of FAIL_MODES
+    fail_rank: int = 0              # -1: every rank
+    fail_at_step: int = 0           # fail before doing this step (0-based)
+    fail_attempts: tuple[int, ...] | None = None  # None: on every attempt
+
+    @classmethod
+    def parse(cls, raw: dict) -> Options:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"selftest option {unknown[0]!r} is unknown: use one of {', '.join(sorted(known))}")
+        if raw.get("fail") is not None and raw["fail"] not in FAIL_MODES:
+            raise ValueError(f"selftest option fail={raw['fail']!r} is unknown: use one of {', '.join(FAIL_MODES)}")
+        opts = dict(raw)
+        try:
+            for name in ("steps", "lines_per_sec", "tokens_per_step", "fail_rank", "fail_at_step"):
+                if name in opts:
+                    opts[name] = int(opts[name])
+            for name in ("step_time", "duration"):
+                if opts.get(name) is not None:
+                    opts[name] = float(opts[name])
+            if opts.get("fail_attempts") is not None:
+                opts["fail_attempts"] = tuple(int(a) for a in opts["fail_attempts"])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"selftest options: {exc}; give numbers (fail_attempts: a list of numbers)") from None
+        result = cls(**opts)
+        if result.duration is not None and result.lines_per_sec <= 0:
+            raise ValueError("selftest option duration needs lines_per_sec > 0: set both, or neither")
+        if result.step_time <= 0 and result.lines_per_sec > 0:
+            raise ValueError("selftest option lines_per_sec needs step_time > 0")
+        return result
+
+
+def main(ctx) -> None:
+    opts = Options.parse(ctx.options)
+    steps = opts.steps
+    if opts.duration is not None:
+        steps = max(1, round(opts.duration / opts.step_time))
+        log.info("flooding %d lines/s for %.2f s: %d steps", opts.lines_per_sec, opts.duration, steps)
+    will_fail = (opts.fail is not None
+                 and opts.fail_rank in (-1, ctx.rank)
+                 and (opts.fail_attempts is None or ctx.attempt in opts.fail_attempts))
+
+    done_path = ctx.stage_dir / f"rank-{ctx.rank}.done"
+    start = _first_undone(done_path, steps)
+    if start:
+        log.info("resuming at step %d", start)
+    tps = opts.tokens_per_step
+    ctx.progress.update(samples=start, tokens=start * tps, samples_total=steps,
+                        tokens_total=steps * tps, force=True)
+
+    lines = 0
+    with open(done_path, "a") as done:
+        for step in range(start, steps):
+            if will_fail and step == opts.fail_at_step:
+                _fail(opts.fail, ctx, step)
+            log.info("step %d/%d", step + 1, steps)
+            if opts.lines_per_sec > 0:
+                lines = _flood(ctx.rank, lines, round(opts.lines_per_sec * opts.step_time), opts.step_time)
+            else:
+                time.sleep(opts.step_time)
+            # Flushed per step: a kill right after must not redo a finished step.
+            done.write(f"{step}\n")
+            done.flush()
+            ctx.progress.update(samples=step + 1, tokens=(step + 1) * tps, loss=1.0 / (step + 1))
+    if will_fail and opts.fail_at_step >= steps:
+        _fail(opts.fail, ctx, steps)
+    ctx.progress.flush()
+    if opts.lines_per_sec > 0:
+        log.info("wrote %d lines", lines)
+    atomic.write_json(ctx.stage_dir / f"rank-{ctx.rank}.result.json",
+                      {"steps_run_this_attempt": steps - start, "steps_total": steps})
+
+
+def _first_undone(done_path, steps: int) -> int:
+    """The first step not yet done by an earlier attempt (a torn last line counts as not done)."""
+    try:
+        text = done_path.read_text()
+    except FileNotFoundError:
+        return 0
+    done = {int(line) for line in text.splitlines() if line.strip().isdigit()}
+    step = 0
+    while step < steps and step in done:
+        step += 1
+    return step
+
+
+def _flood(rank: int, first: int, count: int, seconds: float) -> int:
+    """Write `count` numbered lines to stdout, spread over `seconds` in batches; return the next number.
+
+    Batches (one write of joined lines every ~10 ms) are how a real rank's burst looks to the
+    log, and the numbers let a test prove that no line was lost or doubled.
+    """
+    t0 = time.monotonic()
+    written = 0
+    while True:
+        elapsed = time.monotonic() - t0
+        target = count if elapsed >= seconds else int(count * elapsed / seconds)
+        if target > written:
+            sys.stdout.write("".join([f"r{rank} line {n}\n" for n in range(first + written, first + target)]))
+            sys.stdout.flush()
+            written = target
+        if written >= count and elapsed >= seconds:
+            return first + count
+        time.sleep(min(0.01, max(0.0, seconds - elapsed)) or 0.001)
+
+
+def _fail(mode: str, ctx, step: int) -> None:
+    log.info("failing at step %d: %s", step, mode)
+    if mode == "raise":
+        raise RuntimeError("selftest failure")
+    if mode == "raise-empty":
+        raise RuntimeError("")
+    if mode == "exit":
+        sys.exit(3)
+    if mode == "segfault":
+        import ctypes
+
+        ctypes.string_at(0)
+    if mode == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "children":
+        kids = [subprocess.Popen(["sleep", "300"], stdin=subprocess.DEVNULL) for _ in range(2)]
+        # The shell exits at once, so its sleep is orphaned and reparented: the case where
+        # only the process group still finds it.
+        out = subprocess.run(["sh", "-c", "sleep 300 </dev/null >/dev/null 2>&1 & echo $!"],
+                             capture_output=True, text=True, check=True).stdout
+        atomic.write_json(ctx.file("children.json"),
+                          {"children": [k.pid for k in kids], "grandchildren": [int(out)]})
+        raise RuntimeError("selftest failure")
+    if mode == "hang":
+        log.info("hanging")
+        while True:
+            time.sleep(3600)
