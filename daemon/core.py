@@ -172,6 +172,8 @@ class Core:
     def op_retry(self, run: int, stage: str | None = None) -> dict:
         row = self._run(run)
         run_id = row["id"]
+        if row["state"] not in ("pending", "running"):
+            machine.check("run", row["state"], "pending", f"run {run_id}")
         stage = self._stage_or_default(run_id, stage, ("failed", "cancelled"))
         self._move_stage(run_id, stage, "pending", "retry requested", restarts=0)
         if row["state"] in ("failed", "cancelled"):
@@ -341,6 +343,10 @@ class Core:
 
     def _settle_group(self, group: Group) -> None:
         del self.groups[group.attempt_id]
+        try:
+            self.sample(time.time(), [group], final=True)
+        except Exception:
+            log.exception("final sample of run %s %s failed", group.run_id, group.stage)
         self.sampler.forget(group.attempt_id)
         self.stage_live.pop((group.run_id, group.stage), None)
         run_id, stage = group.run_id, group.stage
@@ -381,13 +387,13 @@ class Core:
 
     # -- metrics -------------------------------------------------------------------------
 
-    def sample(self, now: float) -> None:
-        refs = []
-        for g in self.groups.values():
-            for r in g.ranks:
-                if r.exit is None:
-                    refs.append(RankRef(g.run_id, g.stage, g.attempt, g.attempt_id, r.rank, r.monitor_pid,
-                                        r.monitor_create_time, g.dir / f"rank-{r.rank}.progress.jsonl"))
+    def sample(self, now: float, groups: list[Group] | None = None, final: bool = False) -> None:
+        """Sample the live ranks (or, with `final`, every rank of `groups` one last time, so
+        that the progress lines written just before exiting are not lost)."""
+        groups = list(self.groups.values()) if groups is None else groups
+        refs = [RankRef(g.run_id, g.stage, g.attempt, g.attempt_id, r.rank, r.monitor_pid, r.monitor_create_time,
+                        g.dir / f"rank-{r.rank}.progress.jsonl", g.metrics_since)
+                for g in groups for r in g.ranks if final or r.exit is None]
         if not refs:
             return
         result = self.sampler.sample(refs, now)
@@ -396,6 +402,7 @@ class Core:
             if group is not None:
                 group.seen.update(pids)
         store.insert_metrics(self.db, result.metrics)
+        attempt_of = {(g.run_id, g.stage): g.attempt_id for g in groups}
         with self.db.conn:
             for (attempt_id, rank), fields in result.ranks.items():
                 self.db.execute(
@@ -403,20 +410,23 @@ class Core:
                     [*fields.values(), attempt_id, rank])
             for (run_id, stage), fields in result.stages.items():
                 self.stage_live[(run_id, stage)] = fields
-                cols = {k: fields[k] for k in ("tok_s", "peak_gpu_mem") if fields.get(k) is not None}
-                if cols:
-                    self.db.execute(
-                        "UPDATE stages SET " + ", ".join(f"{k} = ?" for k in cols) + " WHERE run_id = ? AND name = ?",
-                        [*cols.values(), run_id, stage])
-                    run_cols = dict(cols)
-                    if "peak_gpu_mem" in run_cols:
-                        self.db.execute("UPDATE runs SET peak_gpu_mem = max(coalesce(peak_gpu_mem, 0), ?) WHERE id = ?",
-                                        [run_cols.pop("peak_gpu_mem"), run_id])
-                    if run_cols:
-                        self.db.execute("UPDATE runs SET tok_s = ? WHERE id = ?", [run_cols["tok_s"], run_id])
+                # History keeps the steady figure: the sum of the ranks' mean rates over the
+                # attempt, not the instantaneous rate that the live views show.
+                tok_s, peak = self.db.execute(
+                    "SELECT sum(tok_s), max(peak_gpu_mem) FROM ranks WHERE attempt_id = ?",
+                    [attempt_of[(run_id, stage)]]).fetchone()
+                if tok_s is not None:
+                    self.db.execute("UPDATE stages SET tok_s = ? WHERE run_id = ? AND name = ?", [tok_s, run_id, stage])
+                    self.db.execute("UPDATE runs SET tok_s = ? WHERE id = ?", [tok_s, run_id])
+                if peak is not None:
+                    self.db.execute("UPDATE stages SET peak_gpu_mem = max(coalesce(peak_gpu_mem, 0), ?) "
+                                    "WHERE run_id = ? AND name = ?", [peak, run_id, stage])
+                    self.db.execute("UPDATE runs SET peak_gpu_mem = max(coalesce(peak_gpu_mem, 0), ?) WHERE id = ?",
+                                    [peak, run_id])
         by_group: dict[tuple, list] = {}
         for row in result.metrics:
-            by_group.setdefault((row["run_id"], row["stage"], row["attempt"]), []).append(row)
+            if row["run_id"] is not None:
+                by_group.setdefault((row["run_id"], row["stage"], row["attempt"]), []).append(row)
         for (run_id, stage, attempt), rows in by_group.items():
             self.publish("metric", {"run_id": run_id, "stage": stage, "attempt": attempt, "samples": rows,
                                     "live": self.stage_live.get((run_id, stage))})
@@ -448,6 +458,11 @@ class Core:
                                          row.get("ended_at") or time.time(),
                                          _read_json(attempt_dir / f"rank-{r}.error.json"))
                 group.ranks.append(rank)
+            # Progress lines already stored by the previous daemon feed the rates but are
+            # not inserted twice.
+            group.metrics_since = self.db.execute(
+                "SELECT max(time) FROM metrics WHERE run_id = ? AND stage = ? AND attempt = ?",
+                [a["run_id"], a["stage"], a["number"]]).fetchone()[0]
             self.groups[a["id"]] = group
             log.info("re-adopted run %s %s attempt %s (%s ranks)", a["run_id"], a["stage"], a["number"], a["world_size"])
 

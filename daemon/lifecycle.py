@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
+
+import psutil
 
 from eyas.state import paths
 
@@ -67,9 +68,12 @@ def stop(args) -> int:
         return 0
     deadline = time.monotonic() + (args.grace if args.grace is not None else 10) + 30
     while time.monotonic() < deadline:
+        # A zombie has stopped too: its parent (a supervisor, a test) has yet to reap it.
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            gone = psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            gone = True
+        if gone:
             print(f"eyas daemon stopped (pid {pid})")
             return 0
         time.sleep(0.05)

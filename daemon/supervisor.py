@@ -142,6 +142,7 @@ class Group:
     tearing: bool = False            # a teardown is in progress: settle only after it ends
     cancel_reason: str | None = None
     oom_before: int | None = None
+    metrics_since: float | None = None   # set on re-adoption: samples up to here are stored
     # (pid, create_time) of every process seen in the ranks' trees, fed by the sampler, so
     # that teardown also finds children that left the ranks' sessions.
     seen: set[tuple[int, float]] = field(default_factory=set)

@@ -40,11 +40,12 @@ class IllegalTransition(ValueError):
 
 
 def check(kind: str, current: str, new: str, what: str = "") -> None:
-    """Raise IllegalTransition unless `kind` may move from `current` to `new`."""
+    """Raise IllegalTransition unless `kind` may move from `current` to `new`; `what`
+    names the thing in the message ("stage train of run 3")."""
     moves = _TABLES[kind]
     if new not in moves.get(current, ()):
         legal = ", ".join(sorted(moves.get(current, ()))) or "none: it is final"
-        label = f"{kind} {what}".strip()
+        label = what or kind
         raise IllegalTransition(f"{label} is {current}; it cannot become {new} (from {current}: {legal})")
 
 

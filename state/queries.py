@@ -2,15 +2,27 @@
 
 They read roll-up columns kept by the daemon, never the raw metrics, so that they stay
 fast on a store with millions of samples.
+
+Every query takes either a sqlite_utils.Database or a plain sqlite3.Connection: they only
+call `db.execute`. Importing sqlite_utils costs about 0.5 s here (it imports pandas and
+numpy when they are installed), which alone would break the CLI's 0.5 s budget, so this
+module never imports it and `connect` opens a plain read-only connection.
 """
 
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import sqlite_utils
+if TYPE_CHECKING:
+    import sqlite_utils
+
+# The schema version these queries read (schema.LATEST, checked by a test): kept here
+# because importing eyas.state.schema pulls in sqlite_utils.
+SCHEMA_VERSION = 1
 
 RUN_COLUMNS = ("id", "name", "model", "state", "stage", "started", "duration", "peak_gpu_mem", "tok_s")
 
@@ -68,27 +80,29 @@ def list_runs(
 def get_run(db: sqlite_utils.Database, run_id: int, *, now: float | None = None) -> dict[str, Any]:
     """One run with its stages, their attempts, root-cause errors and per-rank roll-ups."""
     now = now or time.time()
-    try:
-        run = db["runs"].get(run_id)
-    except sqlite_utils.db.NotFoundError:
-        raise KeyError(f"no run {run_id}") from None
+    found = _rows(db, "SELECT * FROM runs WHERE id = ?", [run_id])
+    if not found:
+        raise KeyError(f"no run {run_id}")
+    run = found[0]
     stages = []
-    for s in db["stages"].rows_where("run_id = ?", [run_id], order_by="position"):
+    for s in _rows(db, "SELECT * FROM stages WHERE run_id = ? ORDER BY position", [run_id]):
         attempts = []
-        for a in db["attempts"].rows_where("run_id = ? and stage = ?", [run_id, s["name"]], order_by="number"):
-            root = next(iter(db["errors"].rows_where("attempt_id = ? and root_cause = 1", [a["id"]], limit=1)), None)
-            ranks = [
-                {k: r[k] for k in ("rank", "pid", "host", "device", "state", "exit_code", "signal",
-                                   "oom_killed", "peak_gpu_mem", "tok_s", "log_path")}
-                for r in db["ranks"].rows_where("attempt_id = ?", [a["id"]], order_by="rank")
-            ]
+        for a in _rows(db, "SELECT * FROM attempts WHERE run_id = ? AND stage = ? ORDER BY number",
+                       [run_id, s["name"]]):
+            root = _rows(db, "SELECT * FROM errors WHERE attempt_id = ? AND root_cause = 1 LIMIT 1", [a["id"]])
+            ranks = _rows(
+                db,
+                "SELECT rank, pid, host, device, state, exit_code, signal, oom_killed, peak_gpu_mem, "
+                "tok_s, log_path FROM ranks WHERE attempt_id = ? ORDER BY rank",
+                [a["id"]],
+            )
             attempts.append(
                 {
                     "number": a["number"], "state": a["state"], "dir": a["dir"], "reason": a["reason"],
                     "world_size": a["world_size"], "devices": json.loads(a["devices"] or "[]"),
                     "started_at": a["started_at"], "ended_at": a["ended_at"],
                     "duration": _duration(a["started_at"], a["ended_at"], now),
-                    "root_cause": _error(root) if root else None, "ranks": ranks,
+                    "root_cause": _error(root[0]) if root else None, "ranks": ranks,
                 }
             )
         stages.append(
@@ -123,14 +137,15 @@ def errors(db: sqlite_utils.Database, run_id: int, stage: str | None = None) -> 
     if stage:
         where += " and stage = ?"
         params.append(stage)
+    sql = f"SELECT * FROM errors WHERE {where} ORDER BY attempt_id DESC, root_cause DESC, time, rank"
     return [
         {"stage": r["stage"], "attempt": r["attempt"], "root_cause": bool(r["root_cause"]), **_error(r)}
-        for r in db["errors"].rows_where(where, params, order_by="attempt_id DESC, root_cause DESC, time, rank")
+        for r in _rows(db, sql, params)
     ]
 
 
 def events(db: sqlite_utils.Database, run_id: int) -> list[dict[str, Any]]:
-    return list(db["events"].rows_where("run_id = ?", [run_id], order_by="time, id"))
+    return _rows(db, "SELECT * FROM events WHERE run_id = ? ORDER BY time, id", [run_id])
 
 
 def metric_series(db, run_id: int, stage: str, attempt: int, name: str, since: float | None = None):
@@ -141,3 +156,50 @@ def metric_series(db, run_id: int, stage: str, attempt: int, name: str, since: f
         sql += " AND time >= ?"
         params.append(since)
     return db.execute(sql + " ORDER BY time", params).fetchall()
+
+
+def _rows(db, sql: str, params: list | tuple = ()) -> list[dict[str, Any]]:
+    """Rows as dicts, whatever the connection's row factory."""
+    cur = db.execute(sql, params)
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, row)) for row in cur.fetchall()]
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    """A plain read-only connection for the CLI, daemon running or not (no sqlite_utils).
+
+    Raises FileNotFoundError when there is no database yet (or an empty one the daemon has
+    not migrated), RuntimeError when its schema is newer than these queries.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no eyas database at {path}: nothing has been submitted yet")
+    # as_uri() percent-encodes, so a path with '?' or '#' stays a path.
+    conn = sqlite3.connect(path.absolute().as_uri() + "?mode=ro", uri=True, timeout=30, check_same_thread=False)
+    found = conn.execute("PRAGMA user_version").fetchone()[0]
+    if found == 0:
+        conn.close()
+        raise FileNotFoundError(f"eyas database at {path} has no tables yet: nothing has been submitted yet")
+    if found > SCHEMA_VERSION:
+        conn.close()
+        raise RuntimeError(f"database schema {found} is newer than this eyas ({SCHEMA_VERSION}); upgrade eyas")
+    return conn
+
+
+def stage_attempts(db, run_id: int, stage: str) -> list[dict[str, Any]]:
+    """The attempts of one stage, oldest first: number, state, dir, started_at, ended_at.
+
+    Cheap enough to poll: `eyas logs -f` calls it to notice an ended or a new attempt.
+    """
+    return _rows(
+        db,
+        "SELECT number, state, dir, started_at, ended_at FROM attempts WHERE run_id = ? AND stage = ? "
+        "ORDER BY number",
+        [run_id, stage],
+    )
+
+
+def stage_state(db, run_id: int, stage: str) -> str | None:
+    """The state of one stage of a run; None when the run has no such stage."""
+    row = db.execute("SELECT state FROM stages WHERE run_id = ? AND name = ?", [run_id, stage]).fetchone()
+    return row[0] if row else None

@@ -117,7 +117,7 @@ def move_stage(db, run_id: int, stage: str, new: str, reason: str, now: float | 
     """Move a stage to `new`, checking the state machine, and record the event."""
     now = now or time.time()
     row = stage_row(db, run_id, stage)
-    machine.check("stage", row["state"], new, f"{stage} of run {run_id}")
+    machine.check("stage", row["state"], new, f"stage {stage} of run {run_id}")
     update = {"state": new, "reason": reason, **fields}
     if new == "running":
         update["started_at"] = now

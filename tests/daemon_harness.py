@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from eyas.daemon.client import Client, DaemonError, DaemonNotRunning
 from eyas.state import paths, queries, store
@@ -134,3 +135,16 @@ class Daemon:
 def short_tmp() -> Path:
     """AF_UNIX paths are limited to 107 bytes; pytest's tmp_path can be longer."""
     return Path(tempfile.mkdtemp(prefix="ey", dir="/tmp"))
+
+
+@pytest.fixture
+def daemon(monkeypatch):
+    """A real daemon on a private state directory; torn down with all its ranks."""
+    home = short_tmp()
+    monkeypatch.setenv("EYAS_HOME", str(home))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(home / "rt"))
+    d = Daemon(home).start()
+    try:
+        yield d
+    finally:
+        d.cleanup()

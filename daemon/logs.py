@@ -1,0 +1,266 @@
+"""`eyas logs`: a rank's log, or all ranks merged by time, read from the attempt directory.
+
+The daemon never pipes rank output (each rank writes `rank-<r>.log` itself), so this reads
+the files directly and works with the daemon down. Files are streamed line by line and
+merged lazily (heapq.merge), so a log of many GiB costs no memory.
+"""
+
+from __future__ import annotations
+
+import heapq
+import re
+import sys
+import time
+from pathlib import Path
+
+from eyas.state import paths, queries
+
+from . import history
+
+# Timestamps written by Python logging (`2026-12-02 13:05:01,123`), ISO 8601
+# (`2026-12-02T13:05:01.123`) and vLLM (`INFO 12-02 13:05:01 [file.py:12]`, the level maybe
+# coloured). Looked for near the start of a line only: a date quoted in a message is not
+# the line's time.
+_ISO = re.compile(r"(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:[.,](\d{1,9}))?")
+_VLLM = re.compile(
+    r"(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)(?:\x1b\[[0-9;]*m)* (\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)(?:\.(\d+))?"
+)
+_HEAD = 80
+_RANK_FILE = re.compile(r"rank-(\d+)\.log")
+POLL_S = 0.2
+# After the attempt has ended, how long the files must stay unchanged before -f stops.
+QUIET_S = 2.0
+
+
+def line_time(line: str, start: tuple[int, int, int]) -> tuple | None:
+    """The local time a log line carries, as a sortable tuple, or None.
+
+    vLLM omits the year: it is the year of `start` (the attempt's local year, month, day),
+    or the next one for a month-day before the start (an attempt that ran over New Year).
+    """
+    head = line[:_HEAD]
+    m = _ISO.search(head)
+    if m:
+        y, mo, d, h, mi, s, frac = m.groups()
+        return (int(y), int(mo), int(d), int(h), int(mi), int(s), _micros(frac))
+    m = _VLLM.search(head)
+    if m:
+        mo, d, h, mi, s, frac = m.groups()
+        year = start[0] + 1 if (int(mo), int(d)) < start[1:] else start[0]
+        return (year, int(mo), int(d), int(h), int(mi), int(s), _micros(frac))
+    return None
+
+
+def _micros(frac: str | None) -> int:
+    return int(frac[:6].ljust(6, "0")) if frac else 0
+
+
+class RankLog:
+    """One rank's log file, read incrementally: a line without a time inherits the previous
+    line's time in this file (as Toolong does); lines before any time sort first."""
+
+    def __init__(self, path: Path, rank: int, start: tuple[int, int, int]):
+        self.path, self.rank, self.start = path, rank, start
+        # newline="\n": a progress bar's "\r" stays inside its line instead of splitting it.
+        self.fh = open(path, encoding="utf-8", errors="replace", newline="\n")
+        self.time: tuple = ()
+        self.lineno = 0
+        self.partial = ""
+
+    def read(self, final: bool):
+        """Yield ((time, rank, line number), text) for each complete line available now.
+
+        With `final`, a last line without its newline is yielded too; otherwise it is kept
+        until the writer finishes it.
+        """
+        while True:
+            chunk = self.fh.readline()
+            if not chunk:
+                if not (final and self.partial):
+                    return
+                chunk = ""  # the writer is done: what it left unfinished is a line too
+            if not chunk.endswith("\n"):
+                if not final:
+                    self.partial += chunk
+                    return
+                text = self.partial + chunk
+            else:
+                text = self.partial + chunk[:-1]
+            self.partial = ""
+            text = text.rstrip("\r")
+            stamp = line_time(text, self.start)
+            if stamp is not None:
+                self.time = stamp
+            self.lineno += 1
+            yield (self.time, self.rank, self.lineno), text
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+class Failure(Exception):
+    """A one-line error for stderr, and its exit code."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+def command(args) -> int:
+    try:
+        pattern = _pattern(args.grep)
+        db, run = history._load(args.run)
+        if run is None:
+            print(f"eyas: no run {args.run}", file=sys.stderr)
+            return 1
+        stage = _stage(run, args.stage)
+        attempt = _attempt(run, stage, args.attempt)
+        return Follower(db, run, stage, attempt, args, pattern).run()
+    except Failure as exc:
+        print(f"eyas logs: {exc}", file=sys.stderr)
+        return exc.code
+
+
+def _pattern(text: str | None):
+    if text is None:
+        return None
+    try:
+        return re.compile(text)
+    except re.error as exc:
+        raise Failure(f"--grep {text!r}: not a regular expression ({exc}); escape special characters", 2)
+
+
+def _stage(run: dict, wanted: str | None) -> dict:
+    """The stage asked for; by default the run's current stage, else the last one that ran."""
+    stages = run["stages"]
+    if wanted:
+        for s in stages:
+            if s["name"] == wanted:
+                return s
+        names = ", ".join(s["name"] for s in stages)
+        raise Failure(f"run {run['id']} has no stage {wanted!r} (its stages: {names})")
+    for s in stages:
+        if s["name"] == run["stage"] and s["attempt_list"]:
+            return s
+    ran = [s for s in stages if s["attempt_list"]]
+    if not ran:
+        raise Failure(f"run {run['id']} has not started a stage yet, so it has no logs")
+    return ran[-1]
+
+
+def _attempt(run: dict, stage: dict, number: int | None) -> dict:
+    attempts = stage["attempt_list"]
+    if not attempts:
+        raise Failure(f"stage {stage['name']} of run {run['id']} has not started yet, so it has no logs")
+    if number is None:
+        return attempts[-1]
+    for a in attempts:
+        if a["number"] == number:
+            return a
+    have = ", ".join(str(a["number"]) for a in attempts)
+    raise Failure(f"stage {stage['name']} of run {run['id']} has no attempt {number} (its attempts: {have})")
+
+
+def _attempt_dir(attempt: dict) -> Path:
+    d = Path(attempt["dir"])
+    return d if d.is_absolute() else paths.state_dir() / d
+
+
+class Follower:
+    """Prints one attempt's logs, then (with -f) what is appended, switching to newer attempts."""
+
+    def __init__(self, db, run: dict, stage: dict, attempt: dict, args, pattern):
+        self.db, self.run_id, self.stage = db, run["id"], stage["name"]
+        self.args, self.pattern = args, pattern
+        self.pinned = args.attempt is not None
+        self.logs: dict[int, RankLog] = {}
+        self._use(attempt)
+
+    def _use(self, attempt: dict) -> None:
+        for log in self.logs.values():
+            log.close()
+        self.logs = {}
+        self.number = attempt["number"]
+        self.dir = _attempt_dir(attempt)
+        t = time.localtime(attempt.get("started_at") or time.time())
+        self.start = (t.tm_year, t.tm_mon, t.tm_mday)
+
+    def _discover(self) -> bool:
+        """Open rank logs not opened yet; True when one was."""
+        found = False
+        try:
+            names = [p.name for p in self.dir.iterdir()]
+        except FileNotFoundError:
+            return False
+        for name in names:
+            m = _RANK_FILE.fullmatch(name)
+            if not m:
+                continue
+            rank = int(m.group(1))
+            if rank in self.logs or (self.args.rank is not None and rank != self.args.rank):
+                continue
+            self.logs[rank] = RankLog(self.dir / name, rank, self.start)
+            found = True
+        # Keep rank order: it breaks ties between equal times.
+        self.logs = dict(sorted(self.logs.items()))
+        return found
+
+    def _write(self, entries) -> int:
+        """Print entries (key, text); returns how many there were before --grep."""
+        n = 0
+        prefix = self.args.rank is None
+        write = sys.stdout.write
+        for (_, rank, _), text in entries:
+            n += 1
+            if self.pattern is not None and not self.pattern.search(text):
+                continue
+            write(f"[r{rank}] {text}\n" if prefix else text + "\n")
+        return n
+
+    def run(self) -> int:
+        self._discover()
+        if not self.logs and not self.args.follow:
+            what = f"rank {self.args.rank}" if self.args.rank is not None else "any rank"
+            raise Failure(f"no log for {what} in {self.dir} ({self.stage} attempt {self.number})")
+        final = not self.args.follow
+        self._write(heapq.merge(*(log.read(final) for log in self.logs.values())))
+        if self.args.follow:
+            sys.stdout.flush()
+            self._follow()
+        return 0
+
+    def _follow(self) -> None:
+        quiet_since = time.monotonic()
+        while True:
+            time.sleep(POLL_S)
+            self._discover()
+            batch = []
+            for log in self.logs.values():
+                batch.extend(log.read(final=False))
+            if self._write(sorted(batch)):
+                sys.stdout.flush()
+                quiet_since = time.monotonic()
+            attempts = queries.stage_attempts(self.db, self.run_id, self.stage)
+            latest = attempts[-1] if attempts else None
+            if not self.pinned and latest and latest["number"] > self.number:
+                self._flush_partials()
+                self._use(latest)
+                sys.stdout.write(f"--- {self.stage} attempt {self.number} started; following it ---\n")
+                sys.stdout.flush()
+                quiet_since = time.monotonic()
+                continue
+            if time.monotonic() - quiet_since < QUIET_S:
+                continue
+            mine = next((a for a in attempts if a["number"] == self.number), None)
+            if mine is None or mine["state"] == "running":
+                continue
+            # A stage still running or pending may yet start another attempt to follow.
+            if not self.pinned and queries.stage_state(self.db, self.run_id, self.stage) in ("running", "pending"):
+                continue
+            self._flush_partials()
+            return
+
+    def _flush_partials(self) -> None:
+        """Print what the writers left without a final newline."""
+        self._write(sorted(e for log in self.logs.values() for e in log.read(final=True)))
+        sys.stdout.flush()

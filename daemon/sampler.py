@@ -1,0 +1,356 @@
+"""The daemon's 1 Hz metrics sampler: per-rank CPU, RSS and GPU memory, progress, roll-ups.
+
+The daemon calls `Sampler.sample()` once a second with the ranks it supervises and writes
+what comes back: `metrics` rows through `state.store.insert_metrics`, the `ranks` and
+`stages` roll-ups into their tables. The sampler itself touches no database.
+
+Progress counts are per rank: each rank writes its own cumulative samples/tokens (and its
+own totals), so a stage's figures are the sums over its ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from eyas.daemon.nvml import GpuProbe
+from eyas.daemon.progressfile import read_new
+
+# psutil create_time() is boot time + ticks since boot, and the kernel recomputes boot time
+# from the wall clock, so the same process can read a second apart after a clock step.
+# A pid is never recycled that fast, so a second of slack cannot confuse two processes.
+CREATE_TIME_SLACK_S = 1.0
+
+# Record keys that identify a record rather than measure something.
+_NOT_METRICS = frozenset({"time", "rank", "pid", "attempt"})
+_COUNTS = ("samples", "samples_total", "tokens", "tokens_total")
+
+_GONE = (psutil.NoSuchProcess, psutil.AccessDenied)  # ZombieProcess is a NoSuchProcess
+
+Key = tuple[int, int]  # (attempt_id, rank)
+
+
+@dataclass(frozen=True)
+class RankRef:
+    """One rank the daemon wants measured."""
+
+    run_id: int
+    stage: str
+    attempt: int          # the attempt's number within the stage
+    attempt_id: int       # the attempts table's id
+    rank: int
+    root_pid: int | None  # the rank's monitor process (session leader); None before it starts
+    root_create_time: float | None  # psutil create_time of root_pid: guards against pid reuse
+    progress_path: Path
+    # Records at or before this time still feed rates and totals but give no metric rows:
+    # a restarted daemon re-reads a progress file whose older rows the store already holds.
+    metrics_since: float | None = None
+
+
+@dataclass
+class SampleResult:
+    metrics: list[dict]  # rows for insert_metrics: time, run_id, stage, attempt, rank, name, value
+    ranks: dict[Key, dict]  # roll-up columns of the ranks table: cpu_percent, rss, peak_gpu_mem, tok_s
+    stages: dict[tuple[int, str], dict]  # (run_id, stage) -> tok_s, peak_gpu_mem, eta_s, progress, counts
+    gpus: list[dict]  # GpuProbe.devices() snapshot
+    descendants: dict[Key, list[tuple[int, float]]]  # the rank's live process tree, root included
+    bad_lines: dict[Key, int] = field(default_factory=dict)  # corrupt progress lines so far, if any
+
+
+class _Series:
+    """A cumulative counter over time: rate over a trailing window, and mean since the first point."""
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self.first: tuple[float, float] | None = None
+        self.last: tuple[float, float] | None = None
+        self.interval = 0.0  # time between the last two points: sparse writers go stale later
+        # Points inside the window plus one at or before its start, the baseline of the rate.
+        self.win: deque[tuple[float, float]] = deque()
+
+    def add(self, t: float, v: float) -> None:
+        if self.first is None:
+            self.first = (t, v)
+        if self.last is not None:
+            self.interval = t - self.last[0]
+        self.last = (t, v)
+        self.win.append((t, v))
+        while len(self.win) >= 2 and self.win[1][0] <= t - self.window_s:
+            self.win.popleft()
+
+    def rate(self, now: float) -> float | None:
+        """Units per second over the last window of points; 0 once the writer has gone quiet."""
+        if self.last is None or len(self.win) < 2:
+            return None
+        (t0, v0), (t1, v1) = self.win[0], self.last
+        if t1 <= t0:
+            return None
+        if now - t1 > 3 * max(self.window_s, self.interval):
+            return 0.0  # stalled or finished: a stale rate would hide a hang and skew the ETA
+        return (v1 - v0) / (t1 - t0)
+
+    def mean(self) -> float | None:
+        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
+            return None
+        return (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
+
+
+class _Progress:
+    """What one rank's progress file has said so far."""
+
+    def __init__(self, path: Path, window_s: float):
+        self.path = path
+        self.offset = 0
+        self.bad = 0
+        self.counts: dict[str, float] = {}
+        self.tokens = _Series(window_s)
+        self.samples = _Series(window_s)
+
+
+def _number(value: Any) -> float | None:
+    # bool is an int, and NaN/inf would land as NULL in a NOT NULL column and sink the batch.
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _children_map() -> dict[int, list[int]]:
+    """ppid -> child pids for every process, from one scan of /proc.
+
+    psutil's Process.children(recursive=True) rescans all of /proc on each call, once per
+    rank; one scan per sample, shared by all ranks, is what keeps the sampler cheap.
+    psutil keeps that scan (`_ppid_map`) private, hence the public fallback.
+    """
+    try:
+        ppids = psutil._ppid_map()
+    except (AttributeError, psutil.AccessDenied):
+        ppids = {p.pid: p.info["ppid"] for p in psutil.process_iter(["ppid"])}
+    children: dict[int, list[int]] = defaultdict(list)
+    for pid, ppid in ppids.items():
+        if ppid is not None:
+            children[ppid].append(pid)
+    return children
+
+
+class Sampler:
+    """Measures ranks. Keeps psutil.Process objects and file offsets between calls."""
+
+    def __init__(self, nvml: Any = None, log: logging.Logger | None = None, rate_window_s: float = 10.0):
+        self.log = log or logging.getLogger(__name__)
+        self.rate_window_s = rate_window_s
+        self.gpu = GpuProbe(nvml, self.log)  # nvml=None: load_nvml() (a fake, pynvml, or nothing)
+        self.gpu_available: bool = self.gpu.start()
+        # Cached Process objects: cpu_percent(interval=None) measures since the previous call
+        # on the same object, and the cache also keeps orphans whose monitor has died.
+        self._trees: dict[Key, dict[int, psutil.Process]] = {}
+        self._progress: dict[Key, _Progress] = {}
+        self._peak: dict[Key, int] = {}
+
+    def forget(self, attempt_id: int) -> None:
+        """Drop everything kept for an attempt's ranks (call when its group has ended)."""
+        for cache in (self._trees, self._progress, self._peak):
+            for key in [k for k in cache if k[0] == attempt_id]:
+                del cache[key]
+
+    def close(self) -> None:
+        self.gpu.shutdown()
+        self.gpu_available = False
+
+    # --- one sample
+
+    def sample(self, ranks: list[RankRef], now: float | None = None) -> SampleResult:
+        now = time.time() if now is None else now
+        res = SampleResult(metrics=[], ranks={}, stages={}, gpus=[], descendants={})
+        gpu_mem: dict[int, int] = {}
+        if self.gpu_available:
+            res.gpus = self.gpu.devices()
+            gpu_mem = self.gpu.process_gpu_memory()
+            for d in res.gpus:
+                for name, value in (("mem_used", d["mem_used"]), ("mem_total", d["mem_total"]),
+                                    ("util", d["util_gpu"])):
+                    if value is not None:
+                        res.metrics.append({"time": now, "run_id": None, "stage": None, "attempt": None,
+                                            "rank": None, "name": f"gpu{d['index']}.{name}",
+                                            "value": float(value)})
+
+        children = _children_map() if any(r.root_pid or self._trees.get((r.attempt_id, r.rank))
+                                           for r in ranks) else {}
+        per_stage: dict[tuple[int, str], list[tuple[RankRef, _Progress | None]]] = defaultdict(list)
+        for ref in ranks:
+            key = (ref.attempt_id, ref.rank)
+
+            def row(name: str, value: float, t: float = now, ref: RankRef = ref) -> None:
+                res.metrics.append({"time": t, "run_id": ref.run_id, "stage": ref.stage,
+                                    "attempt": ref.attempt, "rank": ref.rank, "name": name,
+                                    "value": float(value)})
+
+            roll: dict[str, float] = {}
+            procs = self._tree(ref, key, children)
+            cpu, rss, res.descendants[key] = self._measure(procs)
+            if procs:
+                roll.update(cpu_percent=cpu, rss=float(rss))
+                row("cpu_percent", cpu)
+                row("rss_bytes", rss)
+                if self.gpu_available:
+                    # NVML reports host pids: inside a container without the host pid namespace
+                    # they match nothing and GPU memory reads 0 (nvitop has the same limit).
+                    used = sum(gpu_mem.get(pid, 0) for pid in procs)
+                    self._peak[key] = max(self._peak.get(key, 0), used)
+                    row("gpu_mem_bytes", used)
+            if key in self._peak:
+                roll["peak_gpu_mem"] = float(self._peak[key])
+
+            prog = self._read_progress(ref, key, row)
+            if prog is not None:
+                rate = prog.tokens.rate(now)
+                if rate is not None:
+                    row("tok_s", rate)
+                mean = prog.tokens.mean()
+                if mean is not None:
+                    roll["tok_s"] = mean
+                if prog.bad:
+                    res.bad_lines[key] = prog.bad
+            if roll:
+                res.ranks[key] = roll
+            per_stage[(ref.run_id, ref.stage)].append((ref, prog))
+
+        for skey, members in per_stage.items():
+            self._stage(skey, members, now, res)
+        return res
+
+    def _tree(self, ref: RankRef, key: Key, children: dict[int, list[int]]) -> dict[int, psutil.Process]:
+        """The rank's live processes: its verified root, everything below it, and known orphans."""
+        known = self._trees.setdefault(key, {})
+        # is_running() re-checks create time, so a cached pid that was reused drops out here.
+        live = {pid: p for pid, p in known.items() if p.is_running()}
+        root = ref.root_pid
+        if root and root not in live:
+            try:
+                p = psutil.Process(root)
+                created = p.create_time()
+            except _GONE:
+                p = None
+            if p is not None and (ref.root_create_time is None
+                                  or abs(created - ref.root_create_time) <= CREATE_TIME_SLACK_S):
+                live[root] = p
+        # Walk down from every live member, not only the root: a monitor that died leaves its
+        # worker (reparented to init) still running and still the rank's.
+        todo = list(live)
+        while todo:
+            for child in children.get(todo.pop(), ()):
+                if child not in live:
+                    try:
+                        live[child] = psutil.Process(child)
+                    except _GONE:
+                        continue
+                    todo.append(child)
+        self._trees[key] = live
+        return live
+
+    @staticmethod
+    def _measure(procs: dict[int, psutil.Process]) -> tuple[float, int, list[tuple[int, float]]]:
+        """Summed CPU % and RSS of the tree, and its (pid, create_time); drops what vanished.
+
+        RSS counts pages shared between the processes once per process: USS would not, but
+        reading smaps for it costs far more than a 1 Hz sampler may spend.
+        """
+        cpu, rss, members = 0.0, 0, []
+        for pid in list(procs):
+            p = procs[pid]
+            try:
+                with p.oneshot():  # one read of /proc/<pid>/stat serves all three
+                    c = p.cpu_percent(interval=None)  # 0.0 on the first call for a process
+                    m = p.memory_info().rss
+                    created = p.create_time()
+            except _GONE:
+                del procs[pid]
+                continue
+            cpu += c
+            rss += m
+            members.append((pid, created))
+        return cpu, rss, members
+
+    def _read_progress(self, ref: RankRef, key: Key, row) -> _Progress | None:
+        prog = self._progress.get(key)
+        path = Path(ref.progress_path)
+        if prog is None or prog.path != path:
+            if not path.exists():
+                return None
+            prog = self._progress[key] = _Progress(path, self.rate_window_s)
+        records, offset, bad = read_new(prog.path, prog.offset)
+        if offset < prog.offset:  # truncated or replaced: what we knew is void
+            prog = self._progress[key] = _Progress(path, self.rate_window_s)
+        prog.offset = offset
+        if bad:
+            if not prog.bad:
+                self.log.warning("progress file %s: corrupt line skipped (the rank writes bad JSON)",
+                                 prog.path)
+            prog.bad += bad
+        for rec in records:
+            t = _number(rec.get("time"))
+            if t is None:
+                t = time.time()  # a record without its own time: it was written moments ago
+            emit = ref.metrics_since is None or t > ref.metrics_since
+            for name, raw in rec.items():
+                if name in _NOT_METRICS:
+                    continue
+                value = _number(raw)
+                if value is None:
+                    continue
+                if emit:
+                    row(name, value, t)
+                if name in _COUNTS:
+                    prog.counts[name] = value
+            tokens, samples = _number(rec.get("tokens")), _number(rec.get("samples"))
+            if tokens is not None:
+                prog.tokens.add(t, tokens)
+            if samples is not None:
+                prog.samples.add(t, samples)
+        return prog
+
+    def _stage(self, skey: tuple[int, str], members: list[tuple[RankRef, _Progress | None]],
+               now: float, res: SampleResult) -> None:
+        out: dict[str, float] = {}
+        peaks = [self._peak[(r.attempt_id, r.rank)] for r, _ in members if (r.attempt_id, r.rank) in self._peak]
+        if peaks:
+            out["peak_gpu_mem"] = float(max(peaks))
+        progs = [p for _, p in members if p is not None]
+        for name in _COUNTS:
+            have = [p.counts[name] for p in progs if name in p.counts]
+            if have:
+                out[name] = sum(have)
+
+        def rate_and_left(unit: str) -> tuple[float | None, float | None]:
+            rates = [r for r in (getattr(p, unit).rate(now) for p in progs) if r is not None]
+            left = [p.counts[f"{unit}_total"] - p.counts[unit] for p in progs
+                    if unit in p.counts and f"{unit}_total" in p.counts]
+            return (sum(rates) if rates else None), (max(sum(left), 0.0) if left else None)
+
+        tok_rate, tok_left = rate_and_left("tokens")
+        smp_rate, smp_left = rate_and_left("samples")
+        if tok_rate is not None:
+            out["tok_s"] = tok_rate
+        # Tokens when the ranks count them, else samples; unknown (omitted) without a rate.
+        rate, left = (tok_rate, tok_left) if tok_left is not None else (smp_rate, smp_left)
+        if left is not None and (left == 0 or (rate or 0) > 0):
+            out["eta_s"] = left / rate if left else 0.0
+        for unit in ("tokens", "samples"):
+            total = out.get(f"{unit}_total")
+            if total and unit in out:
+                out["progress"] = min(max(out[unit] / total, 0.0), 1.0)
+                break
+        if not out:
+            return
+        res.stages[skey] = out
+        attempt = max(r.attempt for r, _ in members)
+        for name in ("tok_s", "eta_s", "progress"):
+            if name in out:
+                res.metrics.append({"time": now, "run_id": skey[0], "stage": skey[1], "attempt": attempt,
+                                    "rank": None, "name": name, "value": out[name]})
