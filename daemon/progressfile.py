@@ -35,7 +35,11 @@ def read_new(path: str | os.PathLike[str], offset: int, max_bytes: int = MAX_BYT
         start = offset
         for line in f:
             if not line.endswith(b"\n"):
-                break  # still being written
+                if len(line) >= max_bytes:
+                    # No writer makes such a line: skip it as bad rather than stall on it.
+                    offset += len(line)
+                    bad += 1
+                break  # otherwise it is still being written
             offset += len(line)
             if line.strip():
                 try:

@@ -24,7 +24,8 @@ import psutil
 import pytest
 
 from eyas.workers import atomic
-from eyas.workers.progress import ProgressWriter, read_new
+from eyas.daemon.progressfile import read_new
+from eyas.workers.progress import ProgressWriter
 from eyas.workers.runtime import LOG_FORMAT
 
 DEADLINE = 60.0  # generous: a loaded 2-core machine starts Pythons slowly
@@ -316,42 +317,7 @@ def test_log_format_starts_with_a_timestamp():
     assert LOG_FORMAT.startswith("%(asctime)s ")
 
 
-# --- progress writer and reader ------------------------------------------------------------
-
-def test_progress_reader_waits_for_a_complete_last_line(tmp_path):
-    path = tmp_path / "rank-0.progress.jsonl"
-    assert read_new(path, 0) == ([], 0, 0)  # no file yet
-    first = b'{"time": 1.0, "samples": 1}\n'
-    path.write_bytes(first + b'{"time": 2.0, "sam')
-    records, offset, corrupt = read_new(path, 0)
-    assert (records, offset, corrupt) == ([{"time": 1.0, "samples": 1}], len(first), 0)
-    assert read_new(path, offset) == ([], offset, 0)  # the half line stays unread
-    with open(path, "ab") as f:
-        f.write(b'ples": 2}\n')
-    records, offset2, corrupt = read_new(path, offset)
-    assert (records, offset2, corrupt) == ([{"time": 2.0, "samples": 2}], path.stat().st_size, 0)
-
-
-def test_progress_reader_skips_and_counts_corrupt_lines(tmp_path):
-    path = tmp_path / "p.jsonl"
-    path.write_bytes(b'{"samples": 1}\n{not json\n\n[1, 2]\n\xff\xfe\n{"samples": 2}\n')
-    records, offset, corrupt = read_new(path, 0)
-    assert (records, offset, corrupt) == ([{"samples": 1}, {"samples": 2}], path.stat().st_size, 3)
-    # A file shorter than the offset was replaced: it is read again from the start.
-    path.write_bytes(b'{"samples": 9}\n')
-    assert read_new(path, offset) == ([{"samples": 9}], 15, 0)
-
-
-def test_progress_reader_reads_a_backlog_in_pieces(tmp_path):
-    path = tmp_path / "p.jsonl"
-    path.write_bytes(b"".join(b'{"samples": %d}\n' % n for n in range(10)))  # 15 or 16 bytes a line
-    records, offset, _ = read_new(path, 0, max_bytes=40)
-    assert [r["samples"] for r in records] == [0, 1]
-    records, offset, _ = read_new(path, offset, max_bytes=10_000)
-    assert [r["samples"] for r in records] == list(range(2, 10))
-    path.write_bytes(b"x" * 50)  # one line longer than max_bytes, never finished
-    assert read_new(path, 0, max_bytes=40) == ([], 40, 1)
-
+# --- progress writer ------------------------------------------------------------
 
 def test_progress_writer_throttles_but_never_loses_the_last_update(tmp_path):
     path = tmp_path / "p.jsonl"

@@ -500,3 +500,13 @@ def test_sample_is_cheap(tmp_path):
         for r in roots:
             os.killpg(r.pid, signal.SIGKILL)
             r.wait()
+
+
+def test_progress_reader_skips_an_endless_line(tmp_path):
+    from eyas.daemon.progressfile import read_new
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"x" * 50)  # longer than max_bytes and never finished: no writer makes one
+    assert read_new(path, 0, max_bytes=40) == ([], 50, 1)
+    path.write_bytes(b"x" * 30)  # shorter: still being written, so it waits
+    assert read_new(path, 0, max_bytes=40) == ([], 0, 0)

@@ -3,10 +3,10 @@
 Each line is one JSON object: {"time", "samples", "samples_total", "tokens", "tokens_total",
 ...metrics}, counts cumulative. The writer appends each line with a single write() on an
 O_APPEND descriptor, so a reader sees whole lines, except for the last one while it is being
-written or after a crash mid-write; `read_new` leaves such a tail for the next call.
+written or after a crash mid-write; the daemon's reader (eyas.daemon.progressfile) leaves
+such a tail for the next call.
 
-Stdlib only (json, os, time), and `read_new` is a pure function of the file, so the daemon's
-sampler can use it (or a copy of it) without importing anything of the rank side.
+Stdlib only (json, os, time), so that importing it costs a stage nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 _COUNTS = ("samples", "samples_total", "tokens", "tokens_total")
 
@@ -90,51 +90,3 @@ def _jsonable(value: Any) -> Any:
     if callable(item):
         return item()
     return str(value)
-
-
-class ReadResult(NamedTuple):
-    records: list[dict[str, Any]]
-    offset: int     # where the next read starts: just past the last complete line
-    corrupt: int    # complete lines that were not a JSON object, skipped
-
-
-def read_new(path: str | os.PathLike[str], offset: int = 0,
-             max_bytes: int = 8 << 20) -> ReadResult:
-    """Parse the complete lines of `path` from byte `offset` on: (records, new_offset, corrupt).
-
-    A last line without its newline is left for the next call. A complete line that is not
-    a JSON object is skipped and counted. A missing file reads as nothing new; a file shorter
-    than `offset` (replaced or truncated) is read again from the start. At most `max_bytes`
-    are read per call, so a large backlog comes in pieces.
-    """
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < offset:
-                offset = 0
-            f.seek(offset)
-            chunk = f.read(max_bytes)
-    except FileNotFoundError:
-        return ReadResult([], offset, 0)
-    end = chunk.rfind(b"\n")
-    if end < 0:
-        if len(chunk) < max_bytes:
-            return ReadResult([], offset, 0)
-        # A single line longer than max_bytes: no writer makes one; skip it as corrupt so the
-        # reader does not stall on it forever.
-        return ReadResult([], offset + len(chunk), 1)
-    records: list[dict[str, Any]] = []
-    corrupt = 0
-    for raw in chunk[:end].split(b"\n"):
-        if not raw.strip():
-            continue
-        try:
-            record = json.loads(raw)
-        except ValueError:  # includes UnicodeDecodeError
-            corrupt += 1
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-        else:
-            corrupt += 1
-    return ReadResult(records, offset + end + 1, corrupt)
