@@ -295,7 +295,7 @@ def test_flood_of_20000_lines_per_second_loses_nothing(start_rank):
         assert r.wait() == 0
     for r in ranks:
         log = r.log()
-        numbers = Counter(int(n) for n in re.findall(rf"^r{r.rank} line (\d+)$", log, re.M))
+        numbers = Counter(int(n) for n in re.findall(rf"^r{r.rank} line (\d+) @\d+\.\d+$", log, re.M))
         assert sorted(numbers) == list(range(rate)) and set(numbers.values()) == {1}
         assert f"eyas.selftest: wrote {rate} lines\n" in log
         progress = r.progress()

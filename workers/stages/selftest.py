@@ -121,7 +121,8 @@ def _flood(rank: int, first: int, count: int, seconds: float) -> int:
     """Write `count` numbered lines to stdout, spread over `seconds` in batches; return the next number.
 
     Batches (one write of joined lines every ~10 ms) are how a real rank's burst looks to the
-    log, and the numbers let a test prove that no line was lost or doubled.
+    log; the numbers let a test prove that no line was lost or doubled, and the `@time`
+    stamp lets a benchmark measure how late a subscriber sees each line.
     """
     t0 = time.monotonic()
     written = 0
@@ -129,7 +130,10 @@ def _flood(rank: int, first: int, count: int, seconds: float) -> int:
         elapsed = time.monotonic() - t0
         target = count if elapsed >= seconds else int(count * elapsed / seconds)
         if target > written:
-            sys.stdout.write("".join([f"r{rank} line {n}\n" for n in range(first + written, first + target)]))
+            # Each line carries the wall time of its batch, so a reader can measure how late
+            # it saw the line.
+            stamp = f"{time.time():.3f}"
+            sys.stdout.write("".join([f"r{rank} line {n} @{stamp}\n" for n in range(first + written, first + target)]))
             sys.stdout.flush()
             written = target
         if written >= count and elapsed >= seconds:

@@ -1,0 +1,106 @@
+"""Daemon overhead under log floods: 8 ranks each print 20,000 lines/s for 20 s.
+
+Targets: the daemon's CPU time / wall time <= 0.10 while a client is subscribed to the
+logs; every line reaches its rank's log exactly once; the subscriber sees lines within 1 s.
+For scale, the ranks' own CPU time over the same window is printed beside it (the daemon's
+share of the work). Run: python tests/bench/bench_daemon_overhead.py [seconds]
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from daemon_harness import Daemon, selftest_toml, short_tmp, wait_for  # noqa: E402
+from eyas.daemon.client import Client  # noqa: E402
+
+RANKS = 8
+RATE = 20_000
+CPU_TARGET = 0.10
+LATENCY_TARGET = 1.0
+
+
+def cpu_seconds(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def main() -> int:
+    seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 20.0
+    home = short_tmp()
+    os.environ["EYAS_HOME"] = str(home)
+    os.environ["XDG_RUNTIME_DIR"] = str(home / "rt")
+    d = Daemon(home).start()
+    daemon_proc = psutil.Process(d.proc.pid)
+    latencies: list[float] = []
+    received = Counter()
+    stop = threading.Event()
+    try:
+        run_id = d.submit(selftest_toml("flood", ranks=RANKS, options={
+            "lines_per_sec": RATE, "duration": seconds, "step_time": 0.5}))
+        client = Client(d.socket, timeout=None)
+        events = client.subscribe(["log"], run=run_id)
+
+        def consume():
+            for ev in events:
+                now = time.time()
+                text = ev.data["text"]
+                received[ev.data["rank"]] += text.count("\n")
+                tail = text.rstrip("\n").rpartition("\n")[2]
+                m = re.search(r"@(\d+\.\d+)$", tail)
+                if m:
+                    latencies.append(now - float(m.group(1)))
+                if stop.is_set():
+                    break
+
+        reader = threading.Thread(target=consume, daemon=True)
+        reader.start()
+        pids = wait_for(lambda: (p := [r["pid"] for r in d.ranks(run_id)]) and len(p) == RANKS and all(p) and p, 60)
+        ranks = [psutil.Process(p) for p in pids]
+        time.sleep(1.0)  # past start-up, into the flood
+        t0, d0 = time.monotonic(), cpu_seconds(daemon_proc)
+        r0 = sum(cpu_seconds(p) for p in ranks)
+        window = seconds - 3.0
+        time.sleep(window)
+        wall = time.monotonic() - t0
+        daemon_cpu = cpu_seconds(daemon_proc) - d0
+        ranks_cpu = sum(cpu_seconds(p) for p in ranks if p.is_running()) - r0
+        run = d.wait_run(run_id, timeout=seconds + 120)
+        stop.set()
+        client.close()
+        attempt_dir = Path(run["stages"][0]["attempt_list"][0]["dir"])
+        complete = True
+        for r in range(RANKS):
+            text = (attempt_dir / f"rank-{r}.log").read_text()
+            numbers = Counter(int(n) for n in re.findall(rf"^r{r} line (\d+) @", text, re.M))
+            expected = int(RATE * seconds)
+            ok = len(numbers) == expected and set(numbers) == set(range(expected)) and max(numbers.values()) == 1
+            complete &= ok
+            if not ok:
+                print(f"  rank {r}: {len(numbers)} distinct lines of {expected}, max repeats {max(numbers.values())}")
+    finally:
+        d.cleanup()
+    share = daemon_cpu / wall
+    lat_max = max(latencies) if latencies else float("inf")
+    lat_p99 = statistics.quantiles(latencies, n=100)[98] if len(latencies) > 100 else lat_max
+    print(f"{RANKS} ranks x {RATE:,} lines/s for {seconds:.0f} s ({run['state']}); measured over {wall:.1f} s")
+    print(f"  daemon CPU / wall:   {share:.3f}  (target <= {CPU_TARGET:.2f}: {'PASS' if share <= CPU_TARGET else 'FAIL'})")
+    print(f"  ranks' CPU / wall:   {ranks_cpu / wall:.2f}  (daemon/ranks CPU ratio {daemon_cpu / max(ranks_cpu, 1e-9):.3f})")
+    print(f"  every line in its log exactly once: {'PASS' if complete else 'FAIL'}")
+    print(f"  subscriber latency:  p99 {lat_p99 * 1000:.0f} ms, max {lat_max * 1000:.0f} ms over {len(latencies)} chunks, "
+          f"{sum(received.values()):,} lines streamed (target max <= {LATENCY_TARGET:.0f} s: "
+          f"{'PASS' if lat_max <= LATENCY_TARGET else 'FAIL'})")
+    return 0 if share <= CPU_TARGET and complete and lat_max <= LATENCY_TARGET else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
