@@ -5,6 +5,7 @@ up to date; it is the only writer of the store."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import os
@@ -77,16 +78,22 @@ class Core:
         if op is None:
             raise ProtocolError(protocol.UNKNOWN_OP, f"op {req.op!r} is not served by this daemon")
         try:
+            inspect.signature(op).bind(**req.args)
+        except TypeError as exc:
+            params = ", ".join(inspect.signature(op).parameters) or "none"
+            raise ProtocolError(protocol.BAD_REQUEST, f"{req.op}: {exc} (args: {params})") from None
+        try:
             result = op(**req.args)
             if asyncio.iscoroutine(result):
                 result = await result
             return result
-        except TypeError as exc:
-            raise ProtocolError(protocol.BAD_REQUEST, f"{req.op}: {exc}") from None
         except machine.IllegalTransition as exc:
             raise ProtocolError(protocol.ILLEGAL, str(exc)) from None
         except KeyError as exc:
             raise ProtocolError(protocol.NOT_FOUND, str(exc.args[0]) if exc.args else "not found") from None
+        except (TypeError, ValueError) as exc:
+            # Arguments of the right names but wrong values ("run": "abc").
+            raise ProtocolError(protocol.BAD_REQUEST, f"{req.op}: {exc}") from None
         finally:
             self.poke()
 

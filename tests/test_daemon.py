@@ -375,3 +375,19 @@ def test_gpu_path_against_a_fake_nvml(monkeypatch):
         assert json.loads(status.stdout)["gpu"] is True
     finally:
         d.cleanup()
+
+
+def test_requests_with_wrong_arguments_get_clear_errors(daemon):
+    with pytest.raises(DaemonError) as err:
+        daemon.request("stop", runn=1)
+    assert err.value.code == "bad_request" and "(args: run, stage)" in err.value.message
+    with pytest.raises(DaemonError) as err:
+        daemon.request("show_me")
+    assert err.value.code == "unknown_op"
+    with pytest.raises(DaemonError) as err:
+        daemon.request("retry", run=999)
+    assert (err.value.code, err.value.message) == ("not_found", "no run 999")
+    with pytest.raises(DaemonError) as err:
+        daemon.request("stop", run="abc")
+    assert err.value.code in ("bad_request", "not_found")
+    assert daemon.request("ping")["pid"] == daemon.proc.pid
