@@ -7,6 +7,7 @@ table is drawn on a terminal.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import sys
@@ -107,8 +108,6 @@ def show(args) -> int:
         print(f"eyas: no run {args.run}", file=sys.stderr)
         return 1
     if args.fmt in ("json", "nl"):
-        import json
-
         sys.stdout.write(json.dumps(run, indent=2 if args.fmt == "json" else None) + "\n")
     elif args.fmt == "csv":
         out.emit(run["stages"], STAGE_COLUMNS, "csv")

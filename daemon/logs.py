@@ -19,11 +19,11 @@ from . import history
 
 # Timestamps written by Python logging (`2026-12-02 13:05:01,123`), ISO 8601
 # (`2026-12-02T13:05:01.123`) and vLLM (`INFO 12-02 13:05:01 [file.py:12]`, the level maybe
-# coloured). Looked for near the start of a line only: a date quoted in a message is not
-# the line's time.
-_ISO = re.compile(r"(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:[.,](\d{1,9}))?")
-_VLLM = re.compile(
-    r"(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)(?:\x1b\[[0-9;]*m)* (\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)(?:\.(\d+))?"
+# coloured), in one pattern so that a line is searched once. Looked for near the start of
+# a line only: a date quoted in a message is not the line's time.
+_TIME = re.compile(
+    r"(?:(\d{4}-\d\d-\d\d)[ T]|(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)(?:\x1b\[[0-9;]*m)* (\d\d-\d\d) )"
+    r"(\d\d:\d\d:\d\d)(?:[.,](\d{1,9}))?"
 )
 _HEAD = 80
 _RANK_FILE = re.compile(r"rank-(\d+)\.log")
@@ -32,27 +32,27 @@ POLL_S = 0.2
 QUIET_S = 2.0
 
 
-def line_time(line: str, start: tuple[int, int, int]) -> tuple | None:
-    """The local time a log line carries, as a sortable tuple, or None.
+def line_time(line: str, start: tuple[int, int, int]) -> str | None:
+    """The local time a log line carries, as a sortable `YYYY-MM-DD HH:MM:SS.ffffff`, or None.
 
     vLLM omits the year: it is the year of `start` (the attempt's local year, month, day),
     or the next one for a month-day before the start (an attempt that ran over New Year).
     """
-    head = line[:_HEAD]
-    m = _ISO.search(head)
-    if m:
-        y, mo, d, h, mi, s, frac = m.groups()
-        return (int(y), int(mo), int(d), int(h), int(mi), int(s), _micros(frac))
-    m = _VLLM.search(head)
-    if m:
-        mo, d, h, mi, s, frac = m.groups()
-        year = start[0] + 1 if (int(mo), int(d)) < start[1:] else start[0]
-        return (year, int(mo), int(d), int(h), int(mi), int(s), _micros(frac))
-    return None
+    year, month, day = start
+    return _stamp(line, str(year), f"{month:02d}-{day:02d}")
 
 
-def _micros(frac: str | None) -> int:
-    return int(frac[:6].ljust(6, "0")) if frac else 0
+def _stamp(line: str, year: str, monthday: str) -> str | None:
+    # Strings, not tuples of ints: fixed-width fields sort the same and cost a third.
+    m = _TIME.search(line, 0, _HEAD)
+    return None if m is None else _from_match(m, year, monthday)
+
+
+def _from_match(m: re.Match, year: str, monthday: str) -> str:
+    date, vllm_day, hms, frac = m.groups()
+    if date is None:
+        date = (year if vllm_day >= monthday else str(int(year) + 1)) + "-" + vllm_day
+    return date + " " + hms + "." + (frac[:6].ljust(6, "0") if frac else "000000")
 
 
 class RankLog:
@@ -60,10 +60,11 @@ class RankLog:
     line's time in this file (as Toolong does); lines before any time sort first."""
 
     def __init__(self, path: Path, rank: int, start: tuple[int, int, int]):
-        self.path, self.rank, self.start = path, rank, start
+        self.path, self.rank = path, rank
+        self.year, self.monthday = str(start[0]), f"{start[1]:02d}-{start[2]:02d}"
         # newline="\n": a progress bar's "\r" stays inside its line instead of splitting it.
         self.fh = open(path, encoding="utf-8", errors="replace", newline="\n")
-        self.time: tuple = ()
+        self.time = ""
         self.lineno = 0
         self.partial = ""
 
@@ -71,28 +72,40 @@ class RankLog:
         """Yield ((time, rank, line number), text) for each complete line available now.
 
         With `final`, a last line without its newline is yielded too; otherwise it is kept
-        until the writer finishes it.
+        until the writer finishes it. Iterating the file again after its end reads what was
+        appended since, which is what -f relies on. (The loop is written out flat: it runs
+        once per log line, millions of times for a long training run.)
         """
-        while True:
-            chunk = self.fh.readline()
-            if not chunk:
-                if not (final and self.partial):
-                    return
-                chunk = ""  # the writer is done: what it left unfinished is a line too
-            if not chunk.endswith("\n"):
-                if not final:
-                    self.partial += chunk
-                    return
-                text = self.partial + chunk
-            else:
-                text = self.partial + chunk[:-1]
-            self.partial = ""
-            text = text.rstrip("\r")
-            stamp = line_time(text, self.start)
-            if stamp is not None:
-                self.time = stamp
-            self.lineno += 1
-            yield (self.time, self.rank, self.lineno), text
+        rank, year, monthday, search, head = self.rank, self.year, self.monthday, _TIME.search, _HEAD
+        t, n = self.time, self.lineno
+        chunks = self._chunks(final)
+        try:
+            for chunk in chunks:
+                text = chunk[:-1] if chunk[-1:] == "\n" else chunk
+                if text[-1:] == "\r":
+                    text = text[:-1]
+                m = search(text, 0, head)
+                if m is not None:
+                    t = _from_match(m, year, monthday)
+                n += 1
+                yield (t, rank, n), text
+        finally:
+            self.time, self.lineno = t, n
+
+    def _chunks(self, final: bool):
+        """The file's new lines, joining a line the writer had left unfinished last time."""
+        partial, self.partial = self.partial, ""
+        for chunk in self.fh:
+            if partial:
+                chunk, partial = partial + chunk, ""
+            if chunk[-1] != "\n" and not final:
+                self.partial = chunk
+                return
+            yield chunk
+        if partial and final:  # the writer is done: what it left unfinished is a line too
+            yield partial
+        elif partial:
+            self.partial = partial
 
     def close(self) -> None:
         self.fh.close()
@@ -209,12 +222,17 @@ class Follower:
         """Print entries (key, text); returns how many there were before --grep."""
         n = 0
         prefix = self.args.rank is None
-        write = sys.stdout.write
+        search = self.pattern.search if self.pattern is not None else None
+        buf: list[str] = []
         for (_, rank, _), text in entries:
             n += 1
-            if self.pattern is not None and not self.pattern.search(text):
+            if search is not None and not search(text):
                 continue
-            write(f"[r{rank}] {text}\n" if prefix else text + "\n")
+            buf.append(f"[r{rank}] {text}\n" if prefix else text + "\n")
+            if len(buf) >= 1024:  # a write per line costs more than the parsing
+                sys.stdout.write("".join(buf))
+                buf.clear()
+        sys.stdout.write("".join(buf))
         return n
 
     def run(self) -> int:
