@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-import json
 import socket
 from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path

@@ -87,6 +87,8 @@ class Core:
             if asyncio.iscoroutine(result):
                 result = await result
             return result
+        except ProtocolError:
+            raise
         except machine.IllegalTransition as exc:
             raise ProtocolError(protocol.ILLEGAL, str(exc)) from None
         except KeyError as exc:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import errno
 import itertools
 import json
 import logging
