@@ -100,15 +100,15 @@ def _run_demo(home: Path, console) -> int:
 
 
 def _wait_ended(run_id: int, timeout: float = 60) -> None:
-    from eyas.state import queries, store
+    from eyas.state import queries
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        db = store.open_reader(paths.db_path())
+        db = queries.connect(paths.db_path())
         try:
             if queries.get_run(db, run_id)["state"] in ("succeeded", "failed", "cancelled"):
                 return
         finally:
-            db.conn.close()
+            db.close()
         time.sleep(0.2)
     print(f"run {run_id} did not end within {timeout:.0f}s", file=sys.stderr)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from eyas.state import paths, queries, store
+from eyas.state import paths, queries
 
 from .client import Client
 from .output import duration as human_duration
@@ -13,11 +13,11 @@ TERMINAL_RUN = ("succeeded", "failed", "cancelled")
 
 
 def _snapshot(run_id: int) -> dict:
-    db = store.open_reader(paths.db_path())
+    db = queries.connect(paths.db_path())
     try:
         return queries.get_run(db, run_id)
     finally:
-        db.conn.close()
+        db.close()
 
 
 def follow(run_id: int, console=None) -> int:

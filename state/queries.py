@@ -203,3 +203,24 @@ def stage_state(db, run_id: int, stage: str) -> str | None:
     """The state of one stage of a run; None when the run has no such stage."""
     row = db.execute("SELECT state FROM stages WHERE run_id = ? AND name = ?", [run_id, stage]).fetchone()
     return row[0] if row else None
+
+
+def latest_metric(db, run_id: int, stage: str, attempt: int, name: str) -> tuple[float, int | None, float] | None:
+    """The newest (time, rank, value) of one metric of one attempt, or None (the TUI's
+    progress, ETA and loss when no live figures have arrived). One index probe."""
+    return db.execute(
+        "SELECT time, rank, value FROM metrics WHERE run_id=? AND stage=? AND attempt=? AND name=? "
+        "ORDER BY time DESC LIMIT 1", [run_id, stage, attempt, name]).fetchone()
+
+
+def gpu_memory(db, since: float) -> dict[int, dict[str, float]]:
+    """The newest `mem_used` and `mem_total` of each GPU sampled since `since`:
+    {index: {"mem_used": bytes, "mem_total": bytes}}; empty without GPUs."""
+    found: dict[int, dict[str, float]] = {}
+    for name, value in db.execute(
+            "SELECT name, value FROM metrics WHERE time >= ? AND run_id IS NULL AND name LIKE 'gpu%.mem_%' "
+            "ORDER BY time", [since]):
+        index, _, field = name[3:].partition(".")
+        if index.isdigit() and field in ("mem_used", "mem_total"):
+            found.setdefault(int(index), {})[field] = value
+    return found

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 import sqlite_utils
 
-from . import machine, schema
+from . import machine, queries, schema
 
 
 class StoreMissing(FileNotFoundError):
@@ -36,15 +36,13 @@ def open_writer(path: Path) -> sqlite_utils.Database:
 
 
 def open_reader(path: Path) -> sqlite_utils.Database:
-    """Open the database read-only: for the CLI and the TUI, daemon running or not."""
-    if not path.exists():
-        raise StoreMissing(f"no eyas database at {path}: nothing has been submitted yet")
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30, check_same_thread=False)
-    db = sqlite_utils.Database(conn)
-    found = schema.version(db)
-    if found > schema.LATEST:
-        raise RuntimeError(f"database schema {found} is newer than this eyas ({schema.LATEST}); upgrade eyas")
-    return db
+    """Open the database read-only, with sqlite-utils' table API (tests, tools). The CLI
+    uses `queries.connect`, which skips sqlite-utils' import time."""
+    try:
+        conn = queries.connect(path)
+    except FileNotFoundError as exc:
+        raise StoreMissing(str(exc)) from None
+    return sqlite_utils.Database(conn)
 
 
 def _event(db, run_id, entity, old, new, reason, stage=None, attempt=None, now=None) -> None:
@@ -215,7 +213,7 @@ def prune_metrics(db, *, max_age_s: float, max_rows: int, now: float | None = No
         count = db.execute("SELECT count(*) FROM metrics").fetchone()[0]
         if count > max_rows:
             cur = db.execute(
-                "DELETE FROM metrics WHERE id IN (SELECT id FROM metrics ORDER BY id LIMIT ?)",
+                "DELETE FROM metrics WHERE id IN (SELECT id FROM metrics ORDER BY time, id LIMIT ?)",
                 [count - max_rows],
             )
             removed += cur.rowcount

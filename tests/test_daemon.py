@@ -392,3 +392,18 @@ def test_requests_with_wrong_arguments_get_clear_errors(daemon):
         daemon.request("stop", run="abc")
     assert err.value.code in ("bad_request", "not_found")
     assert daemon.request("ping")["pid"] == daemon.proc.pid
+
+
+def test_submit_follow_streams_until_the_run_ends(daemon):
+    path = daemon.home / "follow.toml"
+    path.write_text(selftest_toml("follow", ranks=2, options={"steps": 20, "step_time": 0.05}))
+    out = daemon.cli("submit", "--follow", path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("run 1 submitted: selftest")
+    assert "run 1 follow: succeeded" in out.stdout
+    path.write_text(selftest_toml("follow-fail", ranks=2, options={
+        "steps": 20, "step_time": 0.05, "fail": "raise", "fail_rank": 1, "fail_at_step": 3}))
+    out = daemon.cli("submit", "-f", path, timeout=120)
+    assert out.returncode == 1
+    assert "run 2 follow-fail: failed" in out.stdout
+    assert "rank 1 RuntimeError: selftest failure" in out.stdout
