@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -148,3 +149,4 @@ def daemon(monkeypatch):
         yield d
     finally:
         d.cleanup()
+        shutil.rmtree(home, ignore_errors=True)
