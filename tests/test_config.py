@@ -547,3 +547,17 @@ def test_config_check_imports_no_ml_stack():
             "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'textual') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_default_draft_vocab_is_checked_only_when_a_draft_is_built(tmp_path):
+    target = tmp_path / "tiny"
+    target.mkdir()
+    (target / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8, "vocab_size": 512}')
+    base = f'name = "x"\n[target]\npath = "{target}"\n'
+    cfg = tmp_path / "extract.toml"
+    cfg.write_text('pipeline = ["extract"]\n' + base)
+    assert config.load(cfg).draft.vocab_size == 32000  # unused by extract alone
+    cfg.write_text('pipeline = ["extract", "vocab"]\n' + base)
+    with pytest.raises(config.ConfigError) as err:
+        config.load(cfg)
+    assert err.value.errors == [f"{cfg}: draft.vocab_size: 32000 exceeds the target's vocabulary (512); use at most 512"]

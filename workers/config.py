@@ -619,7 +619,9 @@ def validate(data: dict[str, Any], base_dir: str | os.PathLike, source: str) -> 
                  f"list {tp} devices or lower tensor_parallel_size")
     target_vocab = _text_value(model_cfg, "vocab_size") if model_cfg else None
     vocab = draft.get("vocab_size", DraftConfig.vocab_size)
-    if _is_int(target_vocab) and good(draft_t, draft, "vocab_size") and vocab > target_vocab:
+    # The default draft vocab matters only to stages that build or train a draft.
+    uses_draft = {"vocab", "train", "evaluate"} & set(pipeline) or "vocab_size" in (draft_t or {})
+    if uses_draft and _is_int(target_vocab) and good(draft_t, draft, "vocab_size") and vocab > target_vocab:
         ck.error("draft.vocab_size",
                  f"{vocab} exceeds the target's vocabulary ({target_vocab}); use at most {target_vocab}")
 

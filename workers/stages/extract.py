@@ -1,0 +1,423 @@
+"""The `extract` stage, backend `hf`: capture the target's hidden states for every sample.
+
+Input: prepare's dataset (<output_dir>/prepare/dataset: input_ids, loss_mask, seq_len).
+Output, under <output_dir>/extract/:
+- hidden_states/hs_<idx>.safetensors, one per dataset row (speculators' offline format, see
+  workers/hswriter.py), with the layer ids in the run's order, the last one the verifier's
+  last hidden state;
+- data_config.json (rank 0, once every file exists): layers, dtypes, model, versions. No
+  timestamps, so that a resumed run's output is byte-identical to an uninterrupted one.
+
+Ranks split the samples (data parallel). The batches are a pure function of (dataset,
+world_size, rank, batch_size) and never of what is already on disk: a retried attempt
+recomputes exactly the batches an uninterrupted run computes, skips those whose files all
+exist and writes only the missing files of the others. Same batch, same numbers, same bytes.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from eyas.workers import atomic, hswriter
+from eyas.workers.config import default_layer_ids
+
+log = logging.getLogger("eyas.extract")
+
+HIDDEN_STATES_DIR = "hidden_states"
+DATA_CONFIG = "data_config.json"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Settings:
+    target_path: str
+    dtype: str
+    trust_remote_code: bool
+    layer_ids: tuple[int, ...] | None   # None: config.default_layer_ids(N)
+    batch_size: int
+    device: str                         # "cpu" or "cuda"
+    dataset_dir: Path
+    out_dir: Path                       # <output_dir>/extract
+
+    @classmethod
+    def from_context(cls, ctx) -> Settings:
+        cfg = ctx.config or {}
+        target = cfg.get("target")
+        if not target:
+            raise ValueError("extract needs the run config's [target] (EYAS_CONFIG names no target); "
+                             "add a [target] table with path = \"<model directory>\"")
+        ex = cfg.get("extract") or {}
+        backend = ex.get("backend", "hf")
+        if backend != "hf":
+            raise ValueError(f"extract.backend = {backend!r} is not available in this stage; use \"hf\"")
+        if (ex.get("tensor_parallel_size") or 1) != 1:
+            raise ValueError(f"extract.tensor_parallel_size = {ex['tensor_parallel_size']} needs backend "
+                             "\"vllm\"; the hf backend runs one model per rank: set it to 1")
+        ids = ex.get("layer_ids")
+        devices = (cfg.get("resources") or {}).get("devices", "auto")
+        return cls(
+            target_path=target["path"],
+            dtype=target.get("dtype", "bfloat16"),
+            trust_remote_code=bool(target.get("trust_remote_code", False)),
+            layer_ids=tuple(ids) if ids is not None else None,
+            batch_size=int(ex.get("batch_size") or 8),
+            device=_device(devices),
+            dataset_dir=ctx.output_dir / "prepare" / "dataset",
+            out_dir=ctx.stage_dir,
+        )
+
+
+def _device(devices: Any) -> str:
+    if devices == "cpu":
+        return "cpu"
+    import torch
+
+    # The daemon narrows CUDA_VISIBLE_DEVICES to this rank's GPU, so it is always cuda:0.
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _share_cpus(world_size: int) -> None:
+    """Give each CPU rank its share of the cores, as torchrun does (OMP_NUM_THREADS=1 there).
+
+    Every rank would otherwise start one thread per core: N ranks then run N times as many
+    threads as cores, and their OpenMP barriers make the group several times slower than
+    one rank alone. An explicit OMP_NUM_THREADS wins.
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
+    import torch
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
+    threads = max(1, len(os.sched_getaffinity(0)) // max(1, local))
+    torch.set_num_threads(threads)
+    log.info("using %d CPU threads (%d ranks on this host)", threads, local)
+
+
+# --- the plan: a pure function of (lengths, world_size, rank, batch_size) ---------------------
+
+
+def plan_batches(lengths: Sequence[int], world_size: int, rank: int, batch_size: int) -> list[list[int]]:
+    """This rank's batches of dataset rows.
+
+    Rows are ordered longest first (ties by row), dealt round-robin to the ranks so that
+    each gets about the same number of tokens, then cut into batches: neighbours in length
+    share a batch, so padding stays small, and the largest batch comes first, so an
+    out-of-memory shows at once rather than hours in.
+    """
+    if batch_size < 1:
+        raise ValueError(f"extract.batch_size = {batch_size}: use 1 or more")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    mine = order[rank::world_size]
+    return [mine[k:k + batch_size] for k in range(0, len(mine), batch_size)]
+
+
+# --- the stage -------------------------------------------------------------------------------
+
+
+@dataclass
+class Stats:
+    samples: int = 0            # samples of this rank done (present on disk or written now)
+    tokens: int = 0
+    computed: int = 0           # samples whose batch ran in this attempt
+    written: int = 0            # files written in this attempt
+    skipped_batches: int = 0    # batches whose files all existed
+    seconds: float = 0.0        # wall time of the batch loop
+
+
+def main(ctx) -> None:
+    settings = Settings.from_context(ctx)
+    from eyas.workers import hf_target
+
+    # Fail at once on an unknown architecture, before the dataset or any weight is read.
+    arch, adapter, _ = hf_target.check(settings.target_path)
+    dataset = _load_dataset(settings.dataset_dir)
+    lengths = _lengths(dataset, settings.dataset_dir)
+
+    if settings.device == "cpu":
+        _share_cpus(ctx.world_size)
+    dist = _Dist(ctx)
+    try:
+        target = hf_target.load(settings.target_path, settings.dtype, settings.trust_remote_code,
+                                settings.device)
+        n = target.decoder.num_layers
+        layer_ids = target.decoder.check_ids(settings.layer_ids or default_layer_ids(n))
+        plan = plan_batches(lengths, ctx.world_size, ctx.rank, settings.batch_size)
+        hs_dir = settings.out_dir / HIDDEN_STATES_DIR
+        stats = run(target, layer_ids, dataset, lengths, plan, hs_dir, settings.dtype, settings.device,
+                    progress=ctx.progress)
+        totals = dist.sum([stats.samples, stats.tokens, stats.computed, stats.written, stats.skipped_batches])
+        if ctx.rank == 0:
+            _check_complete(hs_dir, len(lengths))
+            atomic.write_json(settings.out_dir / DATA_CONFIG,
+                              data_config(target, settings, layer_ids, lengths, hs_dir))
+            atomic.write_json(ctx.attempt_dir / "summary.json", {
+                "outputs": [str(hs_dir), str(settings.out_dir / DATA_CONFIG)],
+                "samples": totals[0], "tokens": totals[1],
+                "samples_computed": totals[2], "files_written": totals[3],
+                "batches_skipped": totals[4], "layer_ids": list(layer_ids),
+                "architecture": arch, "adapter": adapter.family, "world_size": ctx.world_size,
+                "batch_size": settings.batch_size, "dtype": settings.dtype,
+            })
+    finally:
+        dist.close()
+
+
+def run(target, layer_ids, dataset, lengths, plan, hs_dir: Path, dtype: str, device: str = "cpu",
+        progress=None, max_pending: int = 2) -> Stats:
+    """Compute this rank's `plan` and write its missing files; returns what was done."""
+    import torch
+
+    from eyas.workers.capture import LayerCapture
+
+    mine = {i for batch in plan for i in batch}
+    done = hswriter.existing(hs_dir) & mine
+    if hswriter.remove_temp_files(hs_dir, mine):
+        log.info("removed temp files left by an earlier attempt")
+    stats = Stats(samples=len(done), tokens=sum(lengths[i] for i in done))
+    total_tokens = sum(lengths[i] for i in mine)
+    if done:
+        log.info("resuming: %d of %d samples already extracted", len(done), len(mine))
+    if progress is not None:
+        progress.update(samples=stats.samples, tokens=stats.tokens, samples_total=len(mine),
+                        tokens_total=total_tokens, force=True)
+
+    rows = dataset.with_format(None)
+    pad_id = _pad_id(target.model)
+    torch_dtype = getattr(torch, dtype)
+    hidden_size = _hidden_size(target)
+    writer = hswriter.HiddenStatesWriter(hs_dir, max_pending=max_pending)
+    capture = LayerCapture(target.decoder, layer_ids)
+    t0 = time.monotonic()
+    try:
+        with torch.inference_mode(), capture:
+            for b, batch in enumerate(plan):
+                missing = [i for i in batch if i not in done]
+                if not missing:
+                    stats.skipped_batches += 1
+                    continue
+                token_ids = [rows[i]["input_ids"] for i in batch]
+                for i, ids in zip(batch, token_ids):
+                    if len(ids) != lengths[i]:
+                        raise ValueError(f"dataset row {i}: seq_len {lengths[i]} but {len(ids)} input_ids; "
+                                         "the prepared dataset is inconsistent: run prepare again")
+                hidden = _buffer(token_ids, len(layer_ids), hidden_size, torch_dtype, device)
+                _forward(target.decoder, capture, token_ids, pad_id, device, hidden)
+                job = _job(hidden, batch, token_ids, set(missing), device)
+                writer.put(job)
+                stats.computed += len(batch)
+                stats.samples += len(missing)
+                stats.tokens += sum(lengths[i] for i in missing)
+                if progress is not None:
+                    progress.update(samples=stats.samples, tokens=stats.tokens)
+                if b % 20 == 0 or b == len(plan) - 1:
+                    log.info("batch %d/%d: %d samples, %d tokens done", b + 1, len(plan), stats.samples,
+                             stats.tokens)
+    except BaseException:
+        writer.abort()  # the loop's own error is the one to report
+        raise
+    writer.close()
+    stats.written = writer.written
+    stats.seconds = time.monotonic() - t0
+    if progress is not None:
+        progress.update(samples=stats.samples, tokens=stats.tokens, force=True)
+    log.info("rank done: %d files written, %d batches skipped, %.1f s", stats.written,
+             stats.skipped_batches, stats.seconds)
+    return stats
+
+
+def _pad_id(model) -> int:
+    # Any valid id works: padded positions are masked out and sliced off.
+    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    return pad if isinstance(pad, int) else 0
+
+
+def pad_batch(token_ids: list[list[int]], pad_id: int, device: str = "cpu"):
+    """(input_ids, attention_mask), right-padded to the longest sample."""
+    import torch
+
+    width = max(len(t) for t in token_ids)
+    ids = torch.full((len(token_ids), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(token_ids), width), dtype=torch.long)
+    for row, t in enumerate(token_ids):
+        ids[row, :len(t)] = torch.tensor(t, dtype=torch.long)
+        mask[row, :len(t)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _buffer(token_ids: list[list[int]], n_ids: int, hidden_size: int, dtype, device: str):
+    """A fresh [batch, seq, n_ids, hidden] host buffer for one batch (the writer owns the last one).
+
+    Pinned when the model runs on a GPU, so that the hooks' copies into it are asynchronous.
+    """
+    import torch
+
+    shape = (len(token_ids), max(len(t) for t in token_ids), n_ids, hidden_size)
+    return torch.empty(shape, dtype=dtype, pin_memory=device != "cpu")
+
+
+def _forward(decoder, capture, token_ids: list[list[int]], pad_id: int, device: str, out, row: int = 0) -> None:
+    """Run one batch, its streams landing in out[row:row + len(token_ids)]; on a CUDA
+    out-of-memory, run it again as two halves."""
+    import torch
+
+    try:
+        ids, mask = pad_batch(token_ids, pad_id, device)
+        capture.into(out[row:row + len(token_ids), :ids.shape[1]])
+        decoder.module(input_ids=ids, attention_mask=mask, use_cache=False)
+        capture.finish()
+    except torch.OutOfMemoryError:
+        capture.clear()  # whatever the failed forward had reached
+        if len(token_ids) == 1:
+            raise
+        half = len(token_ids) // 2
+        log.warning("out of memory on a batch of %d samples: running it as two halves", len(token_ids))
+        if device != "cpu":
+            torch.cuda.empty_cache()
+        _forward(decoder, capture, token_ids[:half], pad_id, device, out, row)
+        _forward(decoder, capture, token_ids[half:], pad_id, device, out, row + half)
+
+
+def _job(hidden, batch: list[int], token_ids: list[list[int]], missing: set[int], device: str) -> hswriter.Job:
+    import torch
+
+    ready = None
+    if device != "cpu":
+        # The hooks' copies into the pinned buffer are queued on the compute stream; the
+        # writer waits for this event instead of the loop waiting for the copies.
+        ready = torch.cuda.Event()
+        ready.record()
+    items = [hswriter.Item(idx=i, row=row, length=len(token_ids[row]),
+                           token_ids=torch.tensor(token_ids[row], dtype=torch.int64))
+             for row, i in enumerate(batch) if i in missing]
+    return hswriter.Job(hidden=hidden, items=items, ready=ready)
+
+
+# --- input, output, ranks --------------------------------------------------------------------
+
+
+def _load_dataset(path: Path):
+    from datasets import load_from_disk
+
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no prepared dataset; run the prepare stage first "
+                                "(put \"prepare\" before \"extract\" in the pipeline)")
+    ds = load_from_disk(str(path))
+    missing = [c for c in ("input_ids", "seq_len") if c not in ds.column_names]
+    if missing:
+        raise ValueError(f"{path}: the dataset has no {missing[0]} column; it must come from the prepare "
+                         "stage (input_ids, loss_mask, seq_len)")
+    return ds
+
+
+def _lengths(dataset, path: Path) -> list[int]:
+    lengths = [int(n) for n in dataset.with_format(None)["seq_len"]]
+    empty = [i for i, n in enumerate(lengths) if n < 1]
+    if empty:
+        raise ValueError(f"{path}: row {empty[0]} has no tokens; prepare drops such rows: run it again")
+    return lengths
+
+
+def _check_complete(hs_dir: Path, n: int) -> None:
+    present = hswriter.existing(hs_dir)
+    missing = [i for i in range(n) if i not in present]
+    if missing:
+        raise RuntimeError(f"{hs_dir}: {len(missing)} of {n} samples have no file after every rank "
+                           f"finished (first: {hswriter.file_name(missing[0])})")
+
+
+def data_config(target, settings: Settings, layer_ids: tuple[int, ...], lengths: list[int],
+                hs_dir: Path) -> dict[str, Any]:
+    """What the files hold and how they were made; deterministic (no timestamps, no hosts)."""
+    n = target.decoder.num_layers
+    hidden_size = _hidden_size(target)
+    return {
+        "format": "speculators-hidden-states",
+        "format_version": FORMAT_VERSION,
+        # Paths are relative to this file's folder, so that the file does not depend on
+        # where the run's output lives.
+        "hidden_states_dir": os.path.relpath(hs_dir, settings.out_dir),
+        "file_pattern": "hs_{idx}.safetensors",
+        "tensors": {
+            "hidden_states": {"shape": ["seq_len", len(layer_ids), hidden_size], "dtype": settings.dtype},
+            "token_ids": {"shape": ["seq_len"], "dtype": "int64"},
+        },
+        "layer_ids": list(layer_ids),
+        "layers": [{"index": k, "id": i, "meaning": target.decoder.meaning(i, n)} for k, i in enumerate(layer_ids)],
+        "aux_layer_ids": list(layer_ids[:-1]),
+        "verifier_last_layer_id": layer_ids[-1],
+        "num_hidden_layers": n,
+        "hidden_size": hidden_size,
+        "dtype": settings.dtype,
+        "model": {"path": settings.target_path, "architecture": target.architecture,
+                  "model_type": target.model_type, "adapter": target.adapter.family,
+                  "decoder": target.decoder.path},
+        "dataset": os.path.relpath(settings.dataset_dir, settings.out_dir),
+        "num_samples": len(lengths),
+        "num_tokens": sum(lengths),
+        "backend": "hf",
+        "batch_size": settings.batch_size,
+        "versions": _versions(),
+    }
+
+
+def _hidden_size(target) -> int:
+    cfg = getattr(target.decoder.module, "config", None)
+    size = getattr(cfg, "hidden_size", None)
+    if isinstance(size, int):
+        return size
+    return int(target.decoder.norm.weight.shape[-1])
+
+
+def _versions() -> dict[str, str | None]:
+    out = {}
+    for dist in ("torch", "transformers", "speculators", "eyas"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+class _Dist:
+    """torch.distributed (gloo, env://) for the end-of-stage barrier and totals; nothing at world 1.
+
+    Tensor collectives only: the *_object ones pickle.
+    """
+
+    def __init__(self, ctx):
+        self.world_size = ctx.world_size
+        self.group = False
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", init_method=f"tcp://{ctx.master_addr}:{ctx.master_port}",
+                                    rank=ctx.rank, world_size=ctx.world_size,
+                                    # Ranks may finish far apart; a dead peer is the daemon's to
+                                    # notice (it tears the whole group down), not a timeout's.
+                                    timeout=timedelta(hours=12))
+            self.group = True
+
+    def sum(self, values: list[int]) -> list[int]:
+        if not self.group:
+            return list(values)
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t)      # also the barrier: every rank's files are written by now
+        return [int(v) for v in t]
+
+    def close(self) -> None:
+        if self.group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self.group = False
