@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -565,3 +566,36 @@ def test_daemon_two_ranks_sigkill_mid_extraction_then_retry_is_byte_identical(da
     assert summary["files_written"] == n - done_before_retry        # nothing done twice
     assert summary["batches_skipped"] >= 1
     assert sha256s(tmp_path / "killed" / "extract") == reference_hashes
+
+
+def test_an_output_dir_is_bound_to_one_extraction(tmp_path):
+    """Resume trusts the files present; files of another model, dtype, layer set or data are refused."""
+    from eyas.workers.stages.extract import IDENTITY, claim_output
+
+    ident = {"model": "/m", "architecture": "LlamaForCausalLM", "dtype": "float32", "layer_ids": [2, 4, 8],
+             "dataset": "abc"}
+    claim_output(tmp_path, ident)
+    claim_output(tmp_path, dict(ident))  # the same extraction resumes
+    assert json.loads((tmp_path / IDENTITY).read_text()) == ident
+    with pytest.raises(RuntimeError) as err:
+        claim_output(tmp_path, {**ident, "layer_ids": [2, 5, 8]})
+    assert str(err.value) == (f"{tmp_path} holds the output of another extraction (layer_ids: [2, 4, 8] there, "
+                              f"[2, 5, 8] now); set another output_dir, or delete {tmp_path} to start over")
+    assert [p.name for p in tmp_path.iterdir()] == [IDENTITY]  # no temp file left
+
+
+def test_dataset_digest_follows_the_token_ids(tmp_path):
+    import datasets
+
+    from eyas.workers.stages.extract import dataset_digest
+
+    def digest(rows):
+        datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(tmp_path / "d")
+        value = dataset_digest(datasets.load_from_disk(tmp_path / "d"))
+        shutil.rmtree(tmp_path / "d")
+        return value
+
+    a = digest([[1, 2, 3], [4, 5]])
+    assert a == digest([[1, 2, 3], [4, 5]])
+    assert a != digest([[1, 2], [3, 4, 5]])  # same tokens, other rows
+    assert a != digest([[1, 2, 3], [4, 6]])

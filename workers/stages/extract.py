@@ -17,6 +17,7 @@ exist and writes only the missing files of the others. Same batch, same numbers,
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
 import os
 import time
@@ -33,6 +34,7 @@ log = logging.getLogger("eyas.extract")
 
 HIDDEN_STATES_DIR = "hidden_states"
 DATA_CONFIG = "data_config.json"
+IDENTITY = "extract.identity.json"
 FORMAT_VERSION = 1
 
 
@@ -151,6 +153,10 @@ def main(ctx) -> None:
         layer_ids = target.decoder.check_ids(settings.layer_ids or default_layer_ids(n))
         plan = plan_batches(lengths, ctx.world_size, ctx.rank, settings.batch_size)
         hs_dir = settings.out_dir / HIDDEN_STATES_DIR
+        claim_output(settings.out_dir, {
+            "model": str(Path(settings.target_path).resolve()), "architecture": arch,
+            "dtype": settings.dtype, "layer_ids": list(layer_ids), "dataset": dataset_digest(dataset),
+        })
         stats = run(target, layer_ids, dataset, lengths, plan, hs_dir, settings.dtype, settings.device,
                     progress=ctx.progress)
         totals = dist.sum([stats.samples, stats.tokens, stats.computed, stats.written, stats.skipped_batches])
@@ -168,6 +174,43 @@ def main(ctx) -> None:
             })
     finally:
         dist.close()
+
+
+def dataset_digest(dataset) -> str:
+    """sha256 of every row's token ids, in order: what the hidden states were computed from."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for chunk in dataset.data.table.column("input_ids").chunks:
+        digest.update(chunk.offsets.to_numpy().tobytes())
+        digest.update(chunk.flatten().to_numpy().tobytes())
+    return digest.hexdigest()
+
+
+def claim_output(out_dir: Path, identity: dict) -> None:
+    """Bind the output dir to one extraction, so that resuming never mixes files.
+
+    Resume trusts every hs_<idx> file already present; that is right only if they came
+    from the same model, dtype, layer ids and data. The first rank to start records these
+    (an exclusive link: exactly one writer wins); any later rank or attempt must match.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / IDENTITY
+    if not path.exists():
+        tmp = out_dir / f".{IDENTITY}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(identity, indent=1, sort_keys=True) + "\n")
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another rank won; compare with what it wrote
+        finally:
+            tmp.unlink()
+    recorded = json.loads(path.read_text())
+    for key in sorted(set(recorded) | set(identity)):
+        if recorded.get(key) != identity.get(key):
+            raise RuntimeError(
+                f"{out_dir} holds the output of another extraction ({key}: {recorded.get(key)!r} there, "
+                f"{identity.get(key)!r} now); set another output_dir, or delete {out_dir} to start over")
 
 
 def run(target, layer_ids, dataset, lengths, plan, hs_dir: Path, dtype: str, device: str = "cpu",
