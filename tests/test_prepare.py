@@ -429,12 +429,14 @@ def test_pretokenized_rows_match_speculators_passthrough(tiny, tokenizer, tmp_pa
     assert summary["truncated"] >= 3 and summary["skipped"] == {"no_trainable_tokens": 1}
 
 
-def test_prepare_and_vocab_through_the_daemon(daemon, tiny, tmp_path):  # noqa: F811
+def test_data_stages_through_the_daemon(daemon, tiny, tmp_path):  # noqa: F811
+    """prepare → extract (2 ranks) → vocab as rank groups under a real daemon."""
     data = assets.write_dataset(tmp_path / "chat.jsonl")
-    toml = (f'name = "prep"\npipeline = ["prepare", "vocab"]\n'
+    toml = (f'name = "prep"\npipeline = ["prepare", "extract", "vocab"]\n'
             f'[target]\npath = "{tiny}"\ndtype = "float32"\n'
             f'[data]\npath = "{data}"\nmax_length = 256\nvalidation_fraction = 0.1\n'
-            f'[draft]\nvocab_size = 256\n[resources]\nranks = 1\ndevices = "cpu"\n')
+            f'[extract]\nbatch_size = 8\n'
+            f'[draft]\nvocab_size = 256\n[resources]\nranks = 2\ndevices = "cpu"\n')
     run_id = daemon.submit(toml)
     run = daemon.wait_run(run_id, timeout=180)
     assert run["state"] == "succeeded", run
@@ -448,6 +450,11 @@ def test_prepare_and_vocab_through_the_daemon(daemon, tiny, tmp_path):  # noqa: 
     assert prep["outputs"] == [str(out / "prepare" / n) for n in ("dataset", "token_freq.npy", "splits.json")]
     assert vocab["outputs"] == [str(out / "vocab" / "d2t-256.npy"), str(out / "vocab" / "t2d-256.npy")]
     assert (vocab["draft_vocab_size"], vocab["target_vocab_size"], vocab["cached"]) == (256, 512, False)
+    extract = stages["extract"]
+    assert [r["rank"] for r in extract["attempt_list"][0]["ranks"]] == [0, 1]
+    assert (extract["summary"]["samples"], extract["summary"]["tokens"]) == (300, prep["tokens"])
+    files = sorted((out / "extract" / "hidden_states").glob("hs_*.safetensors"))
+    assert len(files) == 300 and (out / "extract" / "data_config.json").exists()
     assert np.load(out / "vocab" / "t2d-256.npy", allow_pickle=False).sum() == 256
     log = Path(stages["prepare"]["attempt_list"][0]["ranks"][0]["log_path"]).read_text()
     assert "prepare: 306 rows in, 300 out; skipped 6" in log
