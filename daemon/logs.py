@@ -14,18 +14,13 @@ import time
 from pathlib import Path
 
 from eyas.state import paths, queries
+from eyas.state.logtime import HEAD as _HEAD
+from eyas.state.logtime import TIME as _TIME
+from eyas.state.logtime import from_match as _from_match
+from eyas.state.logtime import stamp as _stamp
 
 from . import history
 
-# Timestamps written by Python logging (`2026-12-02 13:05:01,123`), ISO 8601
-# (`2026-12-02T13:05:01.123`) and vLLM (`INFO 12-02 13:05:01 [file.py:12]`, the level maybe
-# coloured), in one pattern so that a line is searched once. Looked for near the start of
-# a line only: a date quoted in a message is not the line's time.
-_TIME = re.compile(
-    r"(?:(\d{4}-\d\d-\d\d)[ T]|(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)(?:\x1b\[[0-9;]*m)* (\d\d-\d\d) )"
-    r"(\d\d:\d\d:\d\d)(?:[.,](\d{1,9}))?"
-)
-_HEAD = 80
 _RANK_FILE = re.compile(r"rank-(\d+)\.log")
 POLL_S = 0.2
 # After the attempt has ended, how long the files must stay unchanged before -f stops.
@@ -40,19 +35,6 @@ def line_time(line: str, start: tuple[int, int, int]) -> str | None:
     """
     year, month, day = start
     return _stamp(line, str(year), f"{month:02d}-{day:02d}")
-
-
-def _stamp(line: str, year: str, monthday: str) -> str | None:
-    # Strings, not tuples of ints: fixed-width fields sort the same and cost a third.
-    m = _TIME.search(line, 0, _HEAD)
-    return None if m is None else _from_match(m, year, monthday)
-
-
-def _from_match(m: re.Match, year: str, monthday: str) -> str:
-    date, vllm_day, hms, frac = m.groups()
-    if date is None:
-        date = (year if vllm_day >= monthday else str(int(year) + 1)) + "-" + vllm_day
-    return date + " " + hms + "." + (frac[:6].ljust(6, "0") if frac else "000000")
 
 
 class RankLog:

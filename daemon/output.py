@@ -10,55 +10,8 @@ from __future__ import annotations
 import csv
 import json
 import sys
-import time
-from datetime import datetime, timezone
 
-
-def iso_utc(t: float | None) -> str | None:
-    """A unix time as ISO 8601 in UTC (`2026-12-02T13:05:01+00:00`); None stays None."""
-    if t is None:
-        return None
-    return datetime.fromtimestamp(t, timezone.utc).isoformat()
-
-
-def local_minute(t: float | None) -> str:
-    """A unix time as local `YYYY-MM-DD HH:MM`; blank when unknown."""
-    return "" if t is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
-
-
-def local_second(t: float | None) -> str:
-    return "" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
-
-
-def duration(seconds: float | None) -> str:
-    """`12s`, `3m05s`, `1h02m`, `2d03h`: two units at most; blank when unknown."""
-    if seconds is None:
-        return ""
-    s = max(0, int(seconds))
-    if s < 60:
-        return f"{s}s"
-    m, s = divmod(s, 60)
-    if m < 60:
-        return f"{m}m{s:02d}s"
-    h, m = divmod(m, 60)
-    if h < 24:
-        return f"{h}h{m:02d}m"
-    d, h = divmod(h, 24)
-    return f"{d}d{h:02d}h"
-
-
-def size(nbytes: float | None) -> str:
-    """Bytes as `12.3 GiB` (MiB below one GiB); blank when unknown."""
-    if nbytes is None:
-        return ""
-    if nbytes >= 2**30:
-        return f"{nbytes / 2**30:.1f} GiB"
-    return f"{nbytes / 2**20:.1f} MiB"
-
-
-def count(x: float | None) -> str:
-    """A rate or count rounded, with thousands separators (`1,234`); blank when unknown."""
-    return "" if x is None else f"{round(x):,}"
+from eyas.state.display import count, duration, iso_utc, local_minute, local_second, size  # noqa: F401
 
 
 def text(x) -> str:

@@ -1,0 +1,87 @@
+"""Snapshots of every screen at 80x24 and 160x48, in a deterministic state.
+
+The store is written with fixed times under a fixed path (error files' paths are shown),
+the clock is frozen, TZ is UTC, and there is no daemon: the banner says so, the same way
+every time. Update with `pytest tests/test_tui_snapshots.py --snapshot-update`, then look.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import tui_world as world
+from eyas.tui.app import EyasApp
+from eyas.tui.screens.errors import ErrorsScreen
+from eyas.tui.screens.logs import LogsScreen
+from eyas.tui.screens.ranks import RanksScreen
+from eyas.tui.screens.run import RunScreen
+from eyas.tui.widgets.logview import LogView
+from tui_world import until
+
+SIZES = [(80, 24), (160, 48)]
+
+
+@pytest.fixture
+def app(monkeypatch):
+    world.use_tz_utc(monkeypatch)
+    home = world.snapshot_home()
+    world.build(home)
+    return EyasApp(home, socket=home / "no-daemon.sock", clock=lambda: world.NOW)
+
+
+async def _settle(pilot) -> None:
+    await pilot.pause(0.3)
+    await pilot.wait_for_scheduled_animations()
+
+
+def _screen(factory, ready=None):
+    async def run_before(pilot) -> None:
+        await until(pilot, lambda: pilot.app.screen_stack and pilot.app.screen.query("DataTable"), what="runs")
+        await pilot.app.push_screen(factory())
+        if ready is not None:
+            await until(pilot, lambda: ready(pilot.app.screen), what="the screen's content")
+        await _settle(pilot)
+    return run_before
+
+
+def _log_ready(screen) -> bool:
+    return bool(screen.query(LogView) and screen.query_one(LogView).visible_rows())
+
+
+@pytest.mark.parametrize("size", SIZES, ids=["80x24", "160x48"])
+def test_runs(snap_compare, app, size):
+    async def run_before(pilot):
+        await until(pilot, lambda: pilot.app.screen.query("DataTable"), what="runs")
+        await _settle(pilot)
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=["80x24", "160x48"])
+def test_run_running(snap_compare, app, size):
+    assert snap_compare(app, terminal_size=size, run_before=_screen(lambda: RunScreen(3)))
+
+
+@pytest.mark.parametrize("size", SIZES, ids=["80x24", "160x48"])
+def test_run_failed(snap_compare, app, size):
+    assert snap_compare(app, terminal_size=size, run_before=_screen(lambda: RunScreen(2)))
+
+
+@pytest.mark.parametrize("size", SIZES, ids=["80x24", "160x48"])
+def test_ranks(snap_compare, app, size):
+    assert snap_compare(app, terminal_size=size, run_before=_screen(lambda: RanksScreen(3, "extract")))
+
+
+@pytest.mark.parametrize("size", SIZES, ids=["80x24", "160x48"])
+def test_logs_one_rank_following(snap_compare, app, size):
+    assert snap_compare(app, terminal_size=size, run_before=_screen(lambda: LogsScreen(3, "extract"), _log_ready))
+
+
+@pytest.mark.parametrize("size", SIZES, ids=["80x24", "160x48"])
+def test_logs_all_ranks_merged(snap_compare, app, size):
+    assert snap_compare(app, terminal_size=size,
+                        run_before=_screen(lambda: LogsScreen(3, "extract", merged=True), _log_ready))
+
+
+@pytest.mark.parametrize("size", SIZES, ids=["80x24", "160x48"])
+def test_errors(snap_compare, app, size):
+    assert snap_compare(app, terminal_size=size, run_before=_screen(lambda: ErrorsScreen(2)))

@@ -1,0 +1,131 @@
+"""The TUI's connection to the daemon: one AsyncClient, reconnected with backoff, and the
+event stream delivered in batches so that redraws happen at a bounded rate.
+
+No Textual here: the app hands in two callbacks. `on_status(LinkStatus)` hears every
+connect and disconnect; `on_batch(events)` gets the events gathered over at most one
+`batch_interval`, so a flood of metric events costs a few redraws a second, not one each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from eyas.daemon.client import AsyncClient, DaemonError, DaemonNotRunning
+from eyas.daemon.protocol import Event
+
+TOPICS = ("state", "metric")
+
+
+@dataclass(frozen=True)
+class LinkStatus:
+    connected: bool
+    ever_connected: bool  # False: the daemon was down from the start
+    message: str          # why we are disconnected ("" when connected)
+    attempts: int         # failed attempts since the last success
+    retry_in: float | None
+    gpu: bool | None = None  # the daemon's sampler sees GPUs (None when unknown)
+
+
+class DaemonLink:
+    def __init__(self, path: Path, on_status: Callable[[LinkStatus], None],
+                 on_batch: Callable[[list[Event]], None], *, batch_interval: float = 0.25,
+                 min_backoff: float = 0.25, max_backoff: float = 5.0, timeout: float = 10.0):
+        self.path = Path(path)
+        self.on_status = on_status
+        self.on_batch = on_batch
+        self.batch_interval = batch_interval
+        self.min_backoff, self.max_backoff = min_backoff, max_backoff
+        self.timeout = timeout
+        self.client: AsyncClient | None = None
+        self.status = LinkStatus(False, False, "not connected yet", 0, None)
+        self.first_attempt = asyncio.Event()
+        self.batches = 0  # flushed so far (tests check the redraw bound with it)
+        self._buffer: list[Event] = []
+        self._flush_handle: asyncio.TimerHandle | None = None
+        self._last_flush = 0.0
+        self._wake = asyncio.Event()
+        self._closing = False
+
+    @property
+    def connected(self) -> bool:
+        return self.client is not None and self.client.connected
+
+    async def request(self, op: str, **args: Any) -> Any:
+        """One request to the daemon; DaemonNotRunning when it is not connected."""
+        if not self.connected:
+            raise DaemonNotRunning(self.path, "not connected to the eyas daemon; controls come back when it does "
+                                              "(start it with `eyas daemon start`)")
+        return await self.client.request(op, **args)
+
+    def retry_now(self) -> None:
+        """Cut the current backoff short."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Connect, stream, and on any loss reconnect with exponential backoff; forever."""
+        delay = self.min_backoff
+        attempts = 0
+        ever = False
+        while not self._closing:
+            client = AsyncClient(self.path, timeout=self.timeout)
+            reason = "the daemon closed the connection"
+            try:
+                await client.connect()
+                sub = await client.subscribe(list(TOPICS))
+                info = await client.request("status")
+                self.client = client
+                ever, attempts, delay = True, 0, self.min_backoff
+                self._set(LinkStatus(True, True, "", 0, None, info.get("gpu")))
+                self.first_attempt.set()
+                async for ev in sub:
+                    self._queue(ev)
+            except DaemonNotRunning as exc:
+                reason = str(exc)
+            except (OSError, DaemonError, TimeoutError, asyncio.TimeoutError) as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+            finally:
+                self.client = None
+                await client.close()
+            if self._closing:
+                break
+            self._flush()
+            attempts += 1
+            self._set(LinkStatus(False, ever, reason, attempts, delay))
+            self.first_attempt.set()
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+            delay = min(delay * 2, self.max_backoff)
+
+    async def close(self) -> None:
+        self._closing = True
+        self._wake.set()
+        if self.client is not None:
+            await self.client.close()
+
+    def _set(self, status: LinkStatus) -> None:
+        self.status = status
+        self.on_status(status)
+
+    def _queue(self, ev: Event) -> None:
+        self._buffer.append(ev)
+        if self._flush_handle is None:
+            wait = max(0.0, self._last_flush + self.batch_interval - time.monotonic())
+            self._flush_handle = asyncio.get_running_loop().call_later(wait, self._flush)
+
+    def _flush(self) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        if not self._buffer:
+            return
+        events, self._buffer = self._buffer, []
+        self._last_flush = time.monotonic()
+        self.batches += 1
+        self.on_batch(events)

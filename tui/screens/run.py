@@ -1,0 +1,271 @@
+"""The Run screen: the stage pipeline, the selected stage's progress, and the controls."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.widgets import DataTable, ProgressBar, Static
+
+from .. import format as fmt
+from ..history import pick_stage
+from ..live import Changes
+from ..widgets.modals import SubmitScreen
+from ..widgets.pipeline import Pipeline
+from .base import EyasScreen
+
+# (key, label, width, priority); the reason column takes what is left of the width.
+STAGE_COLUMNS = [("name", "stage", 9, 0), ("state", "state", 11, 0), ("attempt", "att", 3, 0),
+                 ("restarts", "rst", 3, 2), ("duration", "duration", 8, 0), ("tok_s", "tok/s", 7, 0),
+                 ("peak", "peak GPU", 9, 1), ("reason", "reason", 6, 3)]
+
+
+class RunScreen(EyasScreen):
+    DEFAULT_CSS = """
+    RunScreen #summary { height: auto; padding: 0 1; }
+    RunScreen Pipeline { margin: 1 0 0 0; }
+    RunScreen #stages { height: auto; max-height: 12; }
+    RunScreen #progress { height: auto; padding: 0 1; }
+    RunScreen #bar Bar { width: 1fr; }
+    RunScreen #bar { width: 1fr; }
+    RunScreen #cause { height: auto; max-height: 3; padding: 0 1; margin: 1 0 0 0; color: $error; }
+    """
+    BINDINGS = [
+        Binding("escape", "app.pop_screen", "Back"),
+        Binding("r", "ranks", "Ranks"),
+        Binding("l", "logs", "Logs"),
+        Binding("e", "errors", "Errors"),
+        Binding("s", "stop_stage", "Stop stage"),
+        Binding("S", "stop_run", "Stop run"),
+        Binding("R", "retry", "Retry"),
+        Binding("k", "skip", "Skip"),
+        Binding("u", "resume", "Resume"),
+        Binding("n", "submit", "Submit"),
+    ]
+
+    def __init__(self, run_id: int) -> None:
+        super().__init__()
+        self.run_id = run_id
+        self.run: dict | None = None
+        self.stage_name: str | None = None
+        self._columns: list[tuple[str, str, int]] = []
+
+    def title_text(self) -> str:
+        return f"run {self.run_id}"
+
+    def compose_body(self) -> ComposeResult:
+        yield Static("", id="summary")
+        yield Pipeline(id="pipeline")
+        yield DataTable(id="stages", cursor_type="row")
+        with Vertical(id="progress"):
+            yield ProgressBar(total=1.0, show_eta=False, id="bar")
+            yield Static("", id="figures")
+        yield Static("", id="cause")
+
+    def on_mount(self) -> None:
+        self.reload()
+        self.set_interval(1.0, self._tick)
+        self.query_one(DataTable).focus()
+
+    # -- data ---------------------------------------------------------------------------------
+
+    def reload(self) -> None:
+        run = self.app.history.run(self.run_id)
+        if run is None:
+            self.query_one("#summary", Static).update(f"No run {self.run_id} in the store.")
+            return
+        self.run = run
+        if self.stage_name is None or not any(s["name"] == self.stage_name for s in run["stages"]):
+            chosen = pick_stage(run)
+            self.stage_name = chosen["name"] if chosen else None
+        self._fill()
+
+    def _tick(self) -> None:
+        if self.run is not None and self.run["state"] == "running":
+            self.reload()
+
+    def on_live(self, changes: Changes) -> None:
+        if changes.overflow or self.run_id in changes.runs:
+            self.reload()
+        elif self.run_id in changes.metrics:
+            self._show_progress()
+
+    @property
+    def stage(self) -> dict | None:
+        if self.run is None:
+            return None
+        return next((s for s in self.run["stages"] if s["name"] == self.stage_name), None)
+
+    def _fill(self) -> None:
+        run = self.run
+        self.set_title(f"run {run['id']} · {run['name']}")
+        summary = Text.assemble(
+            (f"run {run['id']} ", "bold"), (run["name"] or "", "bold"), "  ", fmt.badge(run["state"]),
+            f"  ·  {run['model'] or 'no model'}  ·  started {fmt.local_minute(run['started_at'] or run['created_at'])}"
+            f"  ·  {fmt.duration(run['duration']) or '–'}")
+        if run["reason"] and run["state"] != "failed":  # a failure's reason is the root cause below
+            summary.append(f"\n{run['reason']}", style="dim")
+        self.query_one("#summary", Static).update(summary)
+        self.query_one(Pipeline).show(run["stages"], self.stage_name)
+        self.refresh_bindings()
+        table = self.query_one("#stages", DataTable)
+        self._fit(table)
+        keys = [s["name"] for s in run["stages"]]
+        if [str(k.value) for k in table.rows] != keys:
+            table.clear()
+            for s in run["stages"]:
+                table.add_row(*self._cells(s), key=s["name"])
+        else:
+            for s in run["stages"]:
+                for (col, _, _), cell in zip(self._columns, self._cells(s)):
+                    table.update_cell(s["name"], col, cell)
+        if self.stage_name in keys and table.cursor_row != keys.index(self.stage_name):
+            table.move_cursor(row=keys.index(self.stage_name))
+        self._show_progress()
+        self._show_cause()
+
+    def on_resize(self) -> None:
+        if self.run is not None:
+            self._fill()
+
+    def _fit(self, table: DataTable) -> None:
+        width = (self.size.width or 80) - 2
+        columns = fmt.fit_columns(STAGE_COLUMNS, width)
+        spare = width - sum(w + 2 for _, _, w in columns)
+        columns = [(k, label, w + max(0, spare) if k == "reason" else w) for k, label, w in columns]
+        if columns != self._columns:
+            self._columns = columns
+            table.clear(columns=True)
+            for key, label, w in columns:
+                table.add_column(label, key=key, width=w)
+
+    def _cells(self, s: dict) -> list:
+        live = self.app.live.stage.get((self.run_id, s["name"]), {}) if s["state"] == "running" else {}
+        toks = live.get("tok_s", s["tok_s"])
+        cells = {"name": s["name"], "state": fmt.badge(s["state"]), "attempt": str(s["attempts"] or "–"),
+                 "restarts": str(s["restarts"] or 0), "duration": fmt.duration(s["duration"]),
+                 "tok_s": fmt.count(toks), "peak": fmt.size(s["peak_gpu_mem"]),
+                 "reason": Text(s["reason"] or "", style="dim")}
+        return [cells[k] for k, _, _ in self._columns]
+
+    def _show_progress(self) -> None:
+        s = self.stage
+        bar = self.query_one("#bar", ProgressBar)
+        figures = self.query_one("#figures", Static)
+        if s is None:
+            figures.update("")
+            return
+        attempt = s["attempts"] or 0
+        live = self.app.live.stage.get((self.run_id, s["name"])) if s["state"] == "running" else None
+        hist = self.app.history
+        if live is not None:
+            progress, eta, toks = live.get("progress"), live.get("eta_s"), live.get("tok_s")
+        elif attempt:
+            progress = 1.0 if s["state"] == "succeeded" else hist.latest(self.run_id, s["name"], attempt, "progress")
+            eta = 0.0 if s["state"] == "succeeded" else (hist.latest(self.run_id, s["name"], attempt, "eta_s")
+                                                         if s["state"] == "running" else None)
+            toks = s["tok_s"]
+        else:
+            progress, eta, toks = None, None, None
+        bar.update(progress=progress or 0.0)
+        bits = [f"{s['name']} {s['state']}"]
+        if s["state"] == "running":
+            bits.append(fmt.eta(eta))
+        if s["state"] == "running" or toks is not None:
+            bits.append(fmt.rate(toks))
+        for name, label in (("loss", "loss"), ("acc_0", "acc")):
+            value = self.app.live.last_any_rank(self.run_id, s["name"], attempt, name) if live is not None else None
+            if value is None and attempt:
+                value = hist.latest(self.run_id, s["name"], attempt, name)
+            if value is not None:
+                bits.append(f"{label} {value:.4g}")
+        figures.update("  ·  ".join(bits))
+
+    def _show_cause(self) -> None:
+        s = self.stage
+        cause = self.query_one("#cause", Static)
+        root = s["attempt_list"][-1]["root_cause"] if s and s["attempt_list"] else None
+        if root is None:
+            cause.update("")
+            return
+        msg = (root["message"] or "").strip().splitlines()
+        msg = f": {msg[0][:120]}" if msg else " (empty message)"
+        cause.update(f"Root cause of {s['name']} attempt {s['attempt_list'][-1]['number']}: rank {root['rank']} "
+                     f"{root['type']}{msg}   (e: errors)")
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        if event.row_key is not None and event.row_key.value != self.stage_name:
+            self.stage_name = str(event.row_key.value)
+            if self.run is not None:
+                self.query_one(Pipeline).show(self.run["stages"], self.stage_name)
+                self._show_progress()
+                self._show_cause()
+                self.refresh_bindings()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Controls that cannot apply now are shown dimmed (None); --readonly hides them."""
+        allowed = super().check_action(action, parameters)
+        if not allowed or self.run is None:
+            return allowed
+        stage, run_state = self.stage, self.run["state"]
+        state = stage["state"] if stage else None
+        applies = {
+            "stop_stage": state in ("running", "pending") and run_state in ("pending", "running"),
+            "stop_run": run_state in ("pending", "running"),
+            "retry": state in ("failed", "cancelled"),
+            "skip": state in ("pending", "failed", "cancelled"),
+            "resume": run_state in ("failed", "cancelled"),
+        }.get(action, True)
+        return True if applies else None
+
+    # -- views --------------------------------------------------------------------------------
+
+    def action_ranks(self) -> None:
+        from .ranks import RanksScreen
+
+        if self.stage_name:
+            self.app.push_screen(RanksScreen(self.run_id, self.stage_name))
+
+    def action_logs(self) -> None:
+        from .logs import LogsScreen
+
+        if self.stage_name:
+            self.app.push_screen(LogsScreen(self.run_id, self.stage_name))
+
+    def action_errors(self) -> None:
+        from .errors import ErrorsScreen
+
+        self.app.push_screen(ErrorsScreen(self.run_id))
+
+    # -- controls -----------------------------------------------------------------------------
+
+    def action_stop_stage(self) -> None:
+        if self.stage_name:
+            self.run_worker(self.control("stop", f"Stop stage {self.stage_name} of run {self.run_id}?",
+                                         "Its ranks get SIGTERM, then SIGKILL after the grace period; the run "
+                                         "is cancelled.", run=self.run_id, stage=self.stage_name), group="control")
+
+    def action_stop_run(self) -> None:
+        self.run_worker(self.control("stop", f"Stop run {self.run_id}?",
+                                     "The running stage is torn down and the run cancelled.", run=self.run_id),
+                        group="control")
+
+    def action_retry(self) -> None:
+        if self.stage_name:
+            self.run_worker(self.control("retry", run=self.run_id, stage=self.stage_name), group="control")
+
+    def action_skip(self) -> None:
+        if self.stage_name:
+            self.run_worker(self.control("skip", f"Skip stage {self.stage_name} of run {self.run_id}?",
+                                         "The run continues without its outputs.", run=self.run_id,
+                                         stage=self.stage_name), group="control")
+
+    def action_resume(self) -> None:
+        self.run_worker(self.control("resume", run=self.run_id), group="control")
+
+    def action_submit(self) -> None:
+        if self.refuse_control():
+            return
+        self.app.push_screen(SubmitScreen(self.run["config_path"] if self.run else ""),
+                             lambda result: result and self.notify(f"Run {result['run_id']} submitted"))
