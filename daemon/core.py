@@ -19,6 +19,7 @@ from eyas.workers import config as run_config
 from eyas.workers import specs
 
 from . import protocol
+from .logsplit import LogSplitter
 from .protocol import ProtocolError
 from .sampler import RankRef, Sampler
 from .supervisor import Group, Rank, RankExit, _read_json, describe_failure
@@ -334,14 +335,37 @@ class Core:
         for attempt_id, group in list(self.groups.items()):
             learnt, exits = group.poll()
             for r in learnt:
-                store.upsert_rank(self.db, attempt_id, r.rank, pid=r.pid, create_time=r.create_time)
+                if r.role == "tp-worker":
+                    group.watch(r)
+                    self._record_worker(group, r)
+                else:
+                    store.upsert_rank(self.db, attempt_id, r.rank, pid=r.pid, create_time=r.create_time)
             for ex in exits:
                 self._record_exit(group, ex)
             if group.teardown_since is None and any(group.counts_as_failure(e) for e in exits):
                 first = group.failures()[0]
-                self._spawn_task(group.teardown(self.grace, f"rank {first.rank} failed"))
+                self._spawn_task(group.teardown(self.grace, f"{_who(first)} failed"))
             if not group.alive and not group.tearing:
+                if group.workers and not group.leftovers_ended:
+                    # The driver ended: its engine's processes end with it, whatever they do.
+                    group.leftovers_ended = True
+                    if group.member_pids():
+                        self._spawn_task(group.teardown(self.grace, "the driver rank ended"))
+                        continue
                 self._settle_group(group)
+
+    def _record_worker(self, group: Group, w: Rank) -> None:
+        """A TP worker registered: a rank of the attempt from now on; its driver is one too."""
+        store.upsert_rank(self.db, group.attempt_id, w.rank, pid=w.pid, create_time=w.create_time, host=self.host,
+                          device=w.device, state="running", started_at=w.started_at or time.time(),
+                          log_path=str(w.log_path), role="tp-worker", tp_rank=w.tp_rank,
+                          # The vllm backend runs one driver rank (the stage refuses more).
+                          parent_rank=0)
+        for r in group.ranks:
+            if r.role == "driver":
+                store.upsert_rank(self.db, group.attempt_id, r.rank, role="driver")
+        self._emit_state(group.run_id, "rank", "running", f"TP rank {w.tp_rank} (pid {w.pid}) registered",
+                         stage=group.stage, attempt=group.attempt)
 
     def _record_exit(self, group: Group, ex: RankExit) -> None:
         state = "failed" if group.counts_as_failure(ex) else ("exited" if not ex.failed else "killed")
@@ -359,6 +383,8 @@ class Core:
         self.sampler.forget(group.attempt_id)
         self.stage_live.pop((group.run_id, group.stage), None)
         run_id, stage = group.run_id, group.stage
+        for ex in group.settle_workers():
+            self._record_exit(group, ex)
         failures = group.failures()
         for i, ex in enumerate(failures):
             rec = describe_failure(group, ex, self.host)
@@ -368,7 +394,7 @@ class Core:
         if failures:
             root = failures[0]
             rec = describe_failure(group, root, self.host)
-            why = f"rank {root.rank} failed: {rec['type']}" + (f": {rec['message']}" if rec["message"] else "")
+            why = f"{_who(root)} failed: {rec['type']}" + (f": {rec['message']}" if rec["message"] else "")
             store.move_attempt(self.db, group.attempt_id, "failed", why)
             if group.cancel_reason is None and srow["restarts"] < (srow["max_restarts"] or 0) and not self.stopping:
                 n = srow["restarts"] + 1
@@ -400,9 +426,16 @@ class Core:
         """Sample the live ranks (or, with `final`, every rank of `groups` one last time, so
         that the progress lines written just before exiting are not lost)."""
         groups = list(self.groups.values()) if groups is None else groups
-        refs = [RankRef(g.run_id, g.stage, g.attempt, g.attempt_id, r.rank, r.monitor_pid, r.monitor_create_time,
-                        g.dir / f"rank-{r.rank}.progress.jsonl", g.metrics_since)
-                for g in groups for r in g.ranks if final or r.exit is None]
+        refs = []
+        for g in groups:
+            # A TP worker is measured as its own rank, so its tree is kept out of its driver's.
+            tp_pids = frozenset(w.pid for w in g.workers.values() if w.pid)
+            refs += [RankRef(g.run_id, g.stage, g.attempt, g.attempt_id, r.rank, r.monitor_pid, r.monitor_create_time,
+                             g.dir / f"rank-{r.rank}.progress.jsonl", g.metrics_since, exclude=tp_pids)
+                     for r in g.ranks if final or r.exit is None]
+            refs += [RankRef(g.run_id, g.stage, g.attempt, g.attempt_id, w.rank, w.pid, w.create_time,
+                             g.dir / f"tp-{k}.progress.jsonl", g.metrics_since)
+                     for k, w in sorted(g.workers.items()) if final or _running(w)]
         if not refs:
             return
         result = self.sampler.sample(refs, now)
@@ -466,7 +499,9 @@ class Core:
                     rank.exit = RankExit(r, rank.pid, row.get("exit_code"), row.get("signal"),
                                          row.get("ended_at") or time.time(),
                                          _read_json(attempt_dir / f"rank-{r}.error.json"))
+                rank.role = row.get("role")
                 group.ranks.append(rank)
+            self._recover_workers(group, rows.values())
             # Progress lines already stored by the previous daemon feed the rates but are
             # not inserted twice.
             group.metrics_since = self.db.execute(
@@ -474,6 +509,27 @@ class Core:
                 [a["run_id"], a["stage"], a["number"]]).fetchone()[0]
             self.groups[a["id"]] = group
             log.info("re-adopted run %s %s attempt %s (%s ranks)", a["run_id"], a["stage"], a["number"], a["world_size"])
+
+    @staticmethod
+    def _recover_workers(group: Group, rows) -> None:
+        """Re-adopt a vLLM driver's TP workers; their log split resumes from its state file."""
+        for row in rows:
+            if row.get("role") != "tp-worker" or row.get("tp_rank") is None:
+                continue
+            k = row["tp_rank"]
+            parent = row.get("parent_rank") or 0
+            driver = group.ranks[parent] if 0 <= parent < len(group.ranks) else None
+            w = Rank(row["rank"], group.dir / f"tp-{k}.log", driver.monitor_pid if driver else 0,
+                     driver.monitor_create_time if driver else None, None, row.get("pid"), row.get("create_time"),
+                     row.get("device"), role="tp-worker", tp_rank=k, started_at=row.get("started_at"))
+            if row.get("state") in ("exited", "failed", "killed"):
+                w.exit = RankExit(row["rank"], w.pid, row.get("exit_code"), row.get("signal"),
+                                  row.get("ended_at") or time.time(), _read_json(group.dir / f"tp-{k}.error.json"),
+                                  unexpected=row.get("state") == "failed", tp_rank=k)
+            group.workers[k] = w
+        if group.workers and group.ranks:
+            driver = group.ranks[0]
+            group.splitter = LogSplitter(driver.log_path, group.dir / f"rank-{driver.rank}.split.json")
 
     async def shutdown(self, grace: float | None = None) -> None:
         self.stopping = True
@@ -510,11 +566,23 @@ class Core:
                 pass
 
 
+def _who(ex: RankExit) -> str:
+    return f"TP rank {ex.tp_rank}" if ex.tp_rank is not None else f"rank {ex.rank}"
+
+
+def _running(rank: Rank) -> bool:
+    """Still worth sampling: not ended, or ended only by its own error record (it may live on)."""
+    return rank.exit is None or (rank.exit.error is not None and rank.exit.signal is None)
+
+
 def _exit_text(ex: RankExit) -> str:
+    who = _who(ex)
     if ex.lost:
-        return f"rank {ex.rank} lost"
+        return f"{who} lost"
     if ex.signal is not None:
-        return f"rank {ex.rank} killed by {ex.signal_name}" + (" (OOM)" if ex.oom_killed else "")
+        return f"{who} killed by {ex.signal_name}" + (" (OOM)" if ex.oom_killed else "")
     if ex.error is not None:
-        return f"rank {ex.rank} raised {ex.error.get('type')}"
-    return f"rank {ex.rank} exited with code {ex.exit_code}"
+        return f"{who} raised {ex.error.get('type')}"
+    if ex.tp_rank is not None and not ex.unexpected:
+        return f"{who} ended with its engine"
+    return f"{who} exited with code {ex.exit_code}"

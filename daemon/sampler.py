@@ -52,6 +52,9 @@ class RankRef:
     # Records at or before this time still feed rates and totals but give no metric rows:
     # a restarted daemon re-reads a progress file whose older rows the store already holds.
     metrics_since: float | None = None
+    # Processes (and their subtrees) that are measured as ranks of their own: a vLLM
+    # driver's tensor-parallel workers live in its tree but are sampled apart.
+    exclude: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -192,7 +195,7 @@ class Sampler:
                                     "value": float(value)})
 
             roll: dict[str, float] = {}
-            procs = self._tree(ref, key, children)
+            procs = self._tree(ref, key, children, ref.exclude)
             cpu, rss, res.descendants[key] = self._measure(procs)
             if procs:
                 roll.update(cpu_percent=cpu, rss=float(rss))
@@ -225,11 +228,23 @@ class Sampler:
             self._stage(skey, members, now, res)
         return res
 
-    def _tree(self, ref: RankRef, key: Key, children: dict[int, list[int]]) -> dict[int, psutil.Process]:
-        """The rank's live processes: its verified root, everything below it, and known orphans."""
+    def _tree(self, ref: RankRef, key: Key, children: dict[int, list[int]],
+              exclude: frozenset[int] = frozenset()) -> dict[int, psutil.Process]:
+        """The rank's live processes: its verified root, everything below it, and known orphans
+        (less the `exclude`d subtrees)."""
         known = self._trees.setdefault(key, {})
         # is_running() re-checks create time, so a cached pid that was reused drops out here.
-        live = {pid: p for pid, p in known.items() if p.is_running()}
+        live = {pid: p for pid, p in known.items() if pid not in exclude and p.is_running()}
+        if exclude:
+            # Cached descendants of an excluded process (seen before it registered) go too.
+            dropped = set(exclude)
+            todo = list(exclude)
+            while todo:
+                for child in children.get(todo.pop(), ()):
+                    if child not in dropped:
+                        dropped.add(child)
+                        todo.append(child)
+            live = {pid: p for pid, p in live.items() if pid not in dropped}
         root = ref.root_pid
         if root and root not in live:
             try:
@@ -245,7 +260,7 @@ class Sampler:
         todo = list(live)
         while todo:
             for child in children.get(todo.pop(), ()):
-                if child not in live:
+                if child not in live and child not in exclude:
                     try:
                         live[child] = psutil.Process(child)
                     except _GONE:

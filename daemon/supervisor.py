@@ -6,6 +6,21 @@ its own log file, so no byte of rank output passes through the daemon and a daem
 never stalls or kills a rank. The monitor records the worker's exit status in
 `rank-<r>.exit.json`, which is how a restarted daemon settles ranks that ended while it was
 down.
+
+Tensor-parallel workers are ranks too. A vLLM driver rank's engine spawns them (they live in
+the driver's session and process tree); eyas's worker extension registers each one at
+start-up in `tp-<k>.proc.json`. The group picks these up as extra ranks (role "tp-worker",
+numbered world_size + k after the driver ranks), samples them apart from the driver, tears
+them down with it, and settles their failures:
+- an error record `tp-<k>.error.json` (written inside the worker before vLLM flattens the
+  exception into a string for the driver) is that TP rank's failure, at its own time, even
+  while the process still runs: the group is torn down at once;
+- a worker that dies is a failure only if vLLM's executor, its parent, reported it
+  "died unexpectedly (exit code: N)" (read from the driver's log by logsplit.py); a worker
+  ending while the engine shuts down (vLLM SIGKILLs stragglers itself) is not.
+The root cause is still the earliest failure, so a worker's error, which comes first, wins
+over the driver's re-raised `Worker failed with error ''`. The driver's combined log is
+split into `tp-<k>.log` and `driver.log` (logsplit.py).
 """
 
 from __future__ import annotations
@@ -27,6 +42,7 @@ import psutil
 from eyas.workers import specs
 
 from . import oom
+from .logsplit import LogSplitter
 
 log = logging.getLogger("eyas.daemon.supervisor")
 
@@ -96,10 +112,13 @@ class RankExit:
     error: dict | None = None
     oom_killed: bool = False
     lost: bool = False
+    unexpected: bool = False        # a TP worker whose death vLLM called unexpected
+    tp_rank: int | None = None      # set for a TP worker
 
     @property
     def failed(self) -> bool:
-        return self.lost or self.signal is not None or (self.exit_code or 0) != 0 or self.error is not None
+        return (self.lost or self.unexpected or self.signal is not None or (self.exit_code or 0) != 0
+                or self.error is not None)
 
     @property
     def signal_name(self) -> str | None:
@@ -122,6 +141,10 @@ class Rank:
     create_time: float | None = None
     device: str | None = None
     exit: RankExit | None = None
+    role: str | None = None                 # "driver", "tp-worker"; None for a plain rank
+    tp_rank: int | None = None
+    started_at: float | None = None
+    ended_at: float | None = None           # a TP worker's end, as its pidfd said it
 
 
 @dataclass
@@ -146,6 +169,11 @@ class Group:
     # (pid, create_time) of every process seen in the ranks' trees, fed by the sampler, so
     # that teardown also finds children that left the ranks' sessions.
     seen: set[tuple[int, float]] = field(default_factory=set)
+    # Tensor-parallel workers of a vLLM driver (rank 0), by TP rank.
+    workers: dict[int, Rank] = field(default_factory=dict)
+    splitter: LogSplitter | None = None
+    leftovers_ended: bool = False    # the driver ranks ended and their leftovers were torn down
+    pidfds: dict[int, int] = field(default_factory=dict)   # TP rank -> pidfd watched by the event loop
 
     # -- start -------------------------------------------------------------------------
 
@@ -208,9 +236,137 @@ class Group:
             return True
         return False
 
+    def rank_of(self, number: int) -> Rank:
+        """A rank by its number: a driver rank, or a TP worker (world_size + tp_rank)."""
+        if number < len(self.ranks):
+            return self.ranks[number]
+        return self.workers[number - self.world_size]
+
+    # -- tensor-parallel workers ---------------------------------------------------------
+
+    def _learn_tp(self) -> list[Rank]:
+        """TP workers that registered since the last pass (tp-<k>.proc.json)."""
+        new = []
+        for path in self.dir.glob("tp-*.proc.json"):
+            try:
+                k = int(path.name[3:-len(".proc.json")])
+            except ValueError:
+                continue
+            known = self.workers.get(k)
+            proc = _read_json(path)
+            if not proc or not proc.get("pid"):
+                continue
+            if known is not None and known.pid == proc["pid"]:
+                continue
+            d = proc.get("driver_rank") or 0
+            driver = self.ranks[d] if isinstance(d, int) and 0 <= d < len(self.ranks) else None
+            worker = Rank(self.world_size + k, self.dir / f"tp-{k}.log",
+                          driver.monitor_pid if driver else 0, driver.monitor_create_time if driver else None,
+                          None, proc["pid"], proc.get("create_time"), proc.get("device"),
+                          role="tp-worker", tp_rank=k, started_at=proc.get("time"))
+            self.workers[k] = worker
+            if driver is not None and driver.role is None:
+                driver.role = "driver"
+            if self.splitter is None and driver is not None:
+                self.splitter = LogSplitter(driver.log_path, self.dir / f"rank-{driver.rank}.split.json")
+            new.append(worker)
+        return new
+
+    def watch(self, worker: Rank) -> None:
+        """Note the moment a TP worker ends, through a pidfd in the daemon's event loop.
+
+        The worker is not the daemon's child (vLLM's EngineCore reaps it), so no exit status
+        reaches the daemon; but its end time decides the root cause when the driver fails
+        moments later because of it, and a 20 Hz poll can be later than the driver's own
+        error record. A pidfd wakes the loop as the process ends. Without a running loop or
+        pidfd support, the poll's time is used."""
+        try:
+            loop = asyncio.get_running_loop()
+            fd = os.pidfd_open(worker.pid)
+        except (RuntimeError, AttributeError, OSError, TypeError):
+            return
+        if not _alive(worker.pid, worker.create_time):     # the pid was reused, or it is gone already
+            os.close(fd)
+            return
+
+        def ended() -> None:
+            if worker.ended_at is None:
+                worker.ended_at = time.time()
+            self._unwatch(worker.tp_rank)
+
+        self._unwatch(worker.tp_rank)
+        self.pidfds[worker.tp_rank] = fd
+        loop.add_reader(fd, ended)
+
+    def _unwatch(self, tp_rank: int) -> None:
+        fd = self.pidfds.pop(tp_rank, None)
+        if fd is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(fd)
+            except RuntimeError:
+                pass
+            os.close(fd)
+
+    def close(self) -> None:
+        """Stop watching the TP workers (the group is settled)."""
+        for k in list(self.pidfds):
+            self._unwatch(k)
+
+    def tp_of_pid(self, pid: int) -> int | None:
+        """The TP rank of a worker pid; a miss rescans the proc files once (a worker writes
+        its proc file before its first log line, so a line can never outrun it for good)."""
+        for k, w in self.workers.items():
+            if w.pid == pid:
+                return k
+        for path in self.dir.glob("tp-*.proc.json"):
+            proc = _read_json(path) or {}
+            if proc.get("pid") == pid:
+                return proc.get("tp_rank")
+        return None
+
+    def _poll_tp(self, final: bool = False) -> list[RankExit]:
+        exits = []
+        if self.splitter is not None:
+            self.splitter.pump(self.tp_of_pid, final=final)
+            for k, code in self.splitter.died.items():
+                w = self.workers.get(k)
+                if w is not None and w.exit is not None and not w.exit.unexpected and w.exit.error is None:
+                    self._mark_unexpected(w.exit, code)
+                    exits.append(w.exit)
+        now = time.time()
+        for k, w in sorted(self.workers.items()):
+            if w.exit is not None:
+                continue
+            error = _read_json(self.dir / f"tp-{k}.error.json")
+            if error is not None:
+                w.exit = RankExit(w.rank, error.get("pid") or w.pid, None, None, float(error.get("time") or now),
+                                  error, tp_rank=k)
+            elif not _alive(w.pid, w.create_time):
+                w.exit = RankExit(w.rank, w.pid, None, None, w.ended_at or now, tp_rank=k)
+                if self.splitter is not None and k in self.splitter.died:
+                    self._mark_unexpected(w.exit, self.splitter.died[k])
+            else:
+                continue
+            exits.append(w.exit)
+        return exits
+
+    @staticmethod
+    def _mark_unexpected(ex: RankExit, code: int | None) -> None:
+        """vLLM's exit code is multiprocessing's: negative for a signal; None when vLLM
+        looked before the process was reaped."""
+        ex.unexpected = True
+        if code is not None and code < 0:
+            ex.signal, ex.exit_code = -code, None
+        elif code is not None:
+            ex.exit_code = code
+
     def poll(self) -> tuple[list[Rank], list[RankExit]]:
-        """Check every live rank; returns (ranks whose worker pid was just learnt, new exits)."""
+        """Check every live rank; returns (ranks whose worker pid was just learnt, new exits).
+        TP workers come in both lists too, and an exit of theirs comes again when vLLM's
+        report of it changes what it was."""
         learnt, exits = [], []
+        learnt += self._learn_tp()
+        exits += self._poll_tp()
         for rank in self.ranks:
             if rank.exit is not None:
                 continue
@@ -260,11 +416,27 @@ class Group:
             return True
         if ex.error is not None:
             return float(ex.error.get("time") or ex.time) < self.teardown_since
-        return ex.time < self.teardown_since and ex.signal is not None
+        return ex.time < self.teardown_since and (ex.signal is not None or ex.unexpected)
+
+    def settle_workers(self) -> list[RankExit]:
+        """The last word on the TP workers once the driver has ended: read the rest of the
+        driver's log (vLLM's death reports) and give every worker an exit."""
+        if not self.workers:
+            return []
+        self._learn_tp()
+        exits = self._poll_tp(final=True)
+        now = time.time()
+        for k, w in self.workers.items():
+            if w.exit is None:      # still running after teardown: it was killed with the group
+                w.exit = RankExit(w.rank, w.pid, None, None, w.ended_at or now, tp_rank=k)
+                exits.append(w.exit)
+        self.close()
+        return exits
 
     def failures(self) -> list[RankExit]:
         """The ranks' own failures, earliest first: the first one is the root cause."""
-        found = [r.exit for r in self.ranks if r.exit is not None and self.counts_as_failure(r.exit)]
+        members = list(self.ranks) + [self.workers[k] for k in sorted(self.workers)]
+        found = [r.exit for r in members if r.exit is not None and self.counts_as_failure(r.exit)]
         return sorted(found, key=lambda e: (float((e.error or {}).get("time") or e.time), e.rank))
 
     # -- tear down ---------------------------------------------------------------------
@@ -288,6 +460,7 @@ class Group:
                 except psutil.Error:
                     pass
         pids.update(pid for pid, ct in self.seen if _alive(pid, ct))
+        pids.update(w.pid for w in self.workers.values() if w.pid and _alive(w.pid, w.create_time))
         pids.discard(os.getpid())
         return pids
 
@@ -354,16 +527,29 @@ def _zombie(pid: int) -> bool:
 def describe_failure(group: Group, ex: RankExit, host: str) -> dict:
     """The error record of one failed rank. Never empty: an exception keeps its type and
     traceback even with an empty message; a signal death names the signal."""
-    rank = group.ranks[ex.rank]
+    rank = group.rank_of(ex.rank)
+    tp = {"role": "tp-worker", "tp_rank": ex.tp_rank} if ex.tp_rank is not None else {}
     if ex.error is not None:
         e = ex.error
+        path = f"tp-{ex.tp_rank}.error.json" if ex.tp_rank is not None else f"rank-{ex.rank}.error.json"
         return {
             "rank": ex.rank, "pid": e.get("pid", ex.pid), "host": e.get("host", host),
             "type": e.get("type") or "Exception", "message": e.get("message") or "",
             "traceback": e.get("traceback") or log_tail(rank.log_path), "time_": float(e.get("time") or ex.time),
-            "source": "exception", "path": str(group.dir / f"rank-{ex.rank}.error.json"),
+            "source": "exception", "path": str(group.dir / path), **tp,
         }
     tail = log_tail(rank.log_path)
+    if ex.tp_rank is not None:
+        if ex.signal is not None:
+            kind, how = ex.signal_name, f"was killed by {ex.signal_name} (signal {ex.signal})"
+        elif ex.exit_code is not None:
+            kind, how = "ExitCode", f"exited with code {ex.exit_code}"
+        else:
+            kind, how = "WorkerDied", "ended (its exit status was not known yet when vLLM looked)"
+        return {"rank": ex.rank, "pid": ex.pid, "host": host, "type": kind,
+                "message": f"TP rank {ex.tp_rank} (pid {ex.pid}) {how}: vLLM's executor reported that it died "
+                           "unexpectedly", "traceback": tail, "time_": ex.time, "source": "signal" if ex.signal else "exit",
+                "path": str(rank.log_path), **tp}
     if ex.lost:
         kind, msg, source = "Lost", (
             f"rank {ex.rank} (pid {ex.pid}) ended while the daemon was down and left no exit record"

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 # The schema version these queries read (schema.LATEST, checked by a test): kept here
 # because importing eyas.state.schema pulls in sqlite_utils.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 RUN_COLUMNS = ("id", "name", "model", "state", "stage", "started", "duration", "peak_gpu_mem", "tok_s")
 
@@ -93,7 +93,7 @@ def get_run(db: sqlite_utils.Database, run_id: int, *, now: float | None = None)
             ranks = _rows(
                 db,
                 "SELECT rank, pid, host, device, state, exit_code, signal, oom_killed, peak_gpu_mem, "
-                "tok_s, log_path FROM ranks WHERE attempt_id = ? ORDER BY rank",
+                "tok_s, log_path, role, tp_rank, parent_rank FROM ranks WHERE attempt_id = ? ORDER BY rank",
                 [a["id"]],
             )
             attempts.append(
@@ -128,7 +128,8 @@ def get_run(db: sqlite_utils.Database, run_id: int, *, now: float | None = None)
 
 
 def _error(row: dict) -> dict[str, Any]:
-    return {k: row[k] for k in ("rank", "pid", "host", "type", "message", "traceback", "time", "source", "path")}
+    return {k: row[k] for k in ("rank", "pid", "host", "type", "message", "traceback", "time", "source", "path",
+                                "role", "tp_rank")}
 
 
 def errors(db: sqlite_utils.Database, run_id: int, stage: str | None = None) -> list[dict[str, Any]]:

@@ -102,7 +102,19 @@ def _m1_initial(db: sqlite_utils.Database) -> None:
     db["events"].create_index(["run_id", "time"])
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m1_initial]
+def _m2_tp_workers(db: sqlite_utils.Database) -> None:
+    """Tensor-parallel workers are ranks too: a vLLM driver rank spawns them (through its
+    engine), so they get rows of their own, told apart by `role` ("driver", "tp-worker";
+    NULL for a plain rank) and `tp_rank`. Their `rank` numbers follow the driver ranks
+    (world_size + tp_rank) so that (attempt_id, rank) stays unique and every existing
+    reader shows them; `parent_rank` names their driver."""
+    for column in ("role", "tp_rank", "parent_rank"):
+        db["ranks"].add_column(column, str if column == "role" else int)
+    for column in ("role", "tp_rank"):
+        db["errors"].add_column(column, str if column == "role" else int)
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m1_initial, _m2_tp_workers]
 LATEST = len(MIGRATIONS)
 
 

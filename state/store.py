@@ -179,8 +179,10 @@ def upsert_rank(db, attempt_id: int, rank: int, **fields) -> None:
 
 def record_error(db, attempt_id: int, *, rank: int | None, type: str, message: str, traceback: str,
                  time_: float, root_cause: bool, source: str, pid: int | None = None,
-                 host: str | None = None, path: str | None = None) -> int:
-    """Record one rank's failure. An empty message is kept empty: type and traceback say enough."""
+                 host: str | None = None, path: str | None = None, role: str | None = None,
+                 tp_rank: int | None = None) -> int:
+    """Record one rank's failure. An empty message is kept empty: type and traceback say enough.
+    A tensor-parallel worker's failure carries role "tp-worker" and its tp_rank."""
     attempt = db["attempts"].get(attempt_id)
     with db.conn:
         return db["errors"].insert(
@@ -188,7 +190,8 @@ def record_error(db, attempt_id: int, *, rank: int | None, type: str, message: s
                 "run_id": attempt["run_id"], "stage": attempt["stage"], "attempt_id": attempt_id,
                 "attempt": attempt["number"], "rank": rank, "pid": pid, "host": host, "type": type,
                 "message": message, "traceback": traceback, "time": time_,
-                "root_cause": int(root_cause), "source": source, "path": path,
+                "root_cause": int(root_cause), "source": source, "path": path, "role": role,
+                "tp_rank": tp_rank,
             }
         ).last_pk
 

