@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.workers import atomic, hswriter
+from eyas.workers.cpu_share import share_cpus
 from eyas.workers.config import default_layer_ids
 
 log = logging.getLogger("eyas.extract")
@@ -109,23 +110,6 @@ def _device(devices: Any) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _share_cpus(world_size: int) -> None:
-    """Give each CPU rank its share of the cores, as torchrun does (OMP_NUM_THREADS=1 there).
-
-    Every rank would otherwise start one thread per core: N ranks then run N times as many
-    threads as cores, and their OpenMP barriers make the group several times slower than
-    one rank alone. An explicit OMP_NUM_THREADS wins.
-    """
-    if os.environ.get("OMP_NUM_THREADS"):
-        return
-    import torch
-
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
-    threads = max(1, len(os.sched_getaffinity(0)) // max(1, local))
-    torch.set_num_threads(threads)
-    log.info("using %d CPU threads (%d ranks on this host)", threads, local)
-
-
 # --- the plan: a pure function of (lengths, world_size, rank, batch_size) ---------------------
 
 
@@ -186,7 +170,7 @@ def main(ctx) -> None:
     lengths = _lengths(dataset, settings.dataset_dir)
 
     if settings.device == "cpu":
-        _share_cpus(ctx.world_size)
+        share_cpus(ctx.world_size)
     dist = _Dist(ctx)
     try:
         target = hf_target.load(settings.target_path, settings.dtype, settings.trust_remote_code,
