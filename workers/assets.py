@@ -170,10 +170,14 @@ def build_model(out_dir: Path, family: str = "deepseek_v3", seed: int = 0, spec:
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.save_pretrained(out_dir, safe_serialization=True)
     if family == "deepseek_v3":
-        # vLLM's DeepseekV2 loader reads topk_method; transformers does not write it.
+        # vLLM's DeepseekV2 loader reads topk_method and scoring_func; transformers writes neither
+        # (its DeepseekV3 always routes with sigmoid, vLLM's default is softmax), and the target
+        # must compute the same function in both engines: a draft trained on transformers' hidden
+        # states is evaluated against vLLM's.
         cfg_path = out_dir / "config.json"
         cfg = json.loads(cfg_path.read_text())
         cfg["topk_method"] = "noaux_tc"
+        cfg["scoring_func"] = "sigmoid"
         cfg_path.write_text(json.dumps(cfg, indent=2))
     return out_dir
 
@@ -189,3 +193,28 @@ def build_all(root: Path, seed: int = 0) -> dict[str, Path]:
     if not out["chat.jsonl"].exists():
         write_dataset(out["chat.jsonl"], seed=seed)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m eyas.workers.assets DIR`: build everything under DIR; print the paths as JSON.
+
+    The demo runs this in a child process, so that its own process (the CLI) never imports torch.
+    """
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m eyas.workers.assets", description=main.__doc__.splitlines()[0])
+    parser.add_argument("dir", type=Path, help="where to build (created if missing; existing assets are kept)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    made = build_all(args.dir.absolute(), seed=args.seed)
+    print(json.dumps({k: str(v) for k, v in made.items()}))
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
