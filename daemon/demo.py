@@ -1,35 +1,30 @@
 """`eyas demo`: the main job on embedded defaults, through a private daemon.
 
-Until the data and training stages land, the end-to-end path that exists is the
-supervisor itself: a 2-rank `selftest` stage that reports progress and metrics like a
-real stage. The demo starts a daemon for its own state directory when none runs, submits
-the run, shows live progress and ends with a summary table.
+It starts a daemon for the demo's own state directory when none runs, builds the tiny test
+assets (a DeepSeek-V3-shaped target and synthetic chats) in a child process, submits the
+whole pipeline (prepare -> extract -> vocab -> train, 2 ranks, transformers backend) with
+workers/examples/demo.toml as its config, shows live progress and ends with a summary table
+and the command that opens the TUI on the run. Ctrl-C cancels the run and stops the daemon
+it started: nothing is left running.
+
+The CLI process never imports torch: the assets are built by `python -m eyas.workers.assets`.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 from eyas.state import paths
+from eyas.workers import config as run_config
 
 from .client import Client, DaemonError, DaemonNotRunning
 
-DEMO_TOML = """\
-# The eyas demo run (embedded default). Two ranks supervised by the daemon.
-name = "demo"
-pipeline = ["selftest"]
-
-[resources]
-ranks = 2
-devices = "cpu"
-
-[stages.selftest]
-max_restarts = 1
-options = { steps = 40, step_time = 0.1, tokens_per_step = 512 }
-"""
+# The demo's config is the commented example shipped with the package.
+DEMO_TOML = Path(run_config.__file__).parent / "examples" / "demo.toml"
 
 
 def demo_home() -> Path:
@@ -62,9 +57,15 @@ def command(args) -> int:
     home.mkdir(parents=True, exist_ok=True)
     console = Console()
     console.print(f"[bold]eyas demo[/bold]: state in {home}")
+    t0 = time.monotonic()
     started = _ensure_daemon()
     try:
-        return _run_demo(home, console)
+        code = _run_demo(home, console)
+        console.print(f"demo took {time.monotonic() - t0:.0f}s")
+        return code
+    except KeyboardInterrupt:
+        console.print("stopped")
+        return 130
     finally:
         if started:
             # The demo leaves nothing running behind it; history stays readable without it.
@@ -75,14 +76,33 @@ def command(args) -> int:
             stop(Namespace(grace=None))
 
 
+def build_assets(target_dir: Path, console) -> bool:
+    """Build the tiny target and the chats in a child process (it imports torch, we do not)."""
+    with console.status(f"building the tiny target and chat data in {target_dir} …"):
+        proc = subprocess.run([sys.executable, "-m", "eyas.workers.assets", str(target_dir)],
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if proc.returncode != 0:
+        console.print(f"[red]building the demo assets failed (exit {proc.returncode}):[/red]")
+        console.print(proc.stderr[-3000:], markup=False, highlight=False)
+        return False
+    console.print(f"assets ready in {target_dir}")
+    return True
+
+
 def _run_demo(home: Path, console) -> int:
     from .follow import follow
 
+    if not build_assets(home / "assets", console):
+        return 1
     config = home / "demo.toml"
-    config.write_text(DEMO_TOML)
+    config.write_text(DEMO_TOML.read_text())
     with Client() as c:
-        run_id = c.request("submit", config_path=str(config))["run_id"]
-    console.print(f"run {run_id} submitted")
+        try:
+            run_id = c.request("submit", config_path=str(config))["run_id"]
+        except DaemonError as exc:
+            console.print(f"[red]{exc.message}[/red]")
+            return 1
+    console.print(f"run {run_id} submitted: prepare -> extract -> vocab -> train, 2 ranks on CPU")
     try:
         code = follow(run_id, console)
     except KeyboardInterrupt:
@@ -94,8 +114,9 @@ def _run_demo(home: Path, console) -> int:
                 console.print(exc.message)
         _wait_ended(run_id)
         return 130
-    console.print(f"\nnext: [bold]eyas --home {home} show {run_id}[/bold]   ·   "
-                  f"[bold]eyas --home {home} logs {run_id}[/bold]")
+    console.print(f"\nopen it in the TUI:  [bold]eyas --home {home} tui {run_id}[/bold]")
+    console.print(f"or:                  [bold]eyas --home {home} show {run_id}[/bold]   ·   "
+                  f"[bold]eyas --home {home} logs {run_id} --stage train[/bold]")
     return code
 
 

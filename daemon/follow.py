@@ -29,6 +29,7 @@ def follow(run_id: int, console=None) -> int:
     progress = Progress(TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                         TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
     tasks: dict[str, int] = {}
+    shown: dict[str, dict] = {}     # the latest loss, accuracy and validation loss of each stage
     client = Client(timeout=None)
     events = client.subscribe(["state", "metric"], run=run_id)
     run = _snapshot(run_id)
@@ -57,9 +58,16 @@ def follow(run_id: int, console=None) -> int:
                     bits = []
                     if live.get("tok_s"):
                         bits.append(f"{live['tok_s']:,.0f} tok/s")
-                    loss = [s["value"] for s in d.get("samples", []) if s["name"] == "loss"]
-                    if loss:
-                        bits.append(f"loss {loss[-1]:.3f}")
+                    latest = {s["name"]: s["value"] for s in d.get("samples", [])}
+                    if "loss" in latest:
+                        shown[d["stage"]] = {**shown.get(d["stage"], {}), "loss": latest["loss"],
+                                             "acc": latest.get("acc_0")}
+                    if "val_loss" in latest:
+                        shown[d["stage"]] = {**shown.get(d["stage"], {}), "val": latest["val_loss"]}
+                    for key, label in (("loss", "loss {:.4f}"), ("acc", "acc₀ {:.2f}"), ("val", "val {:.4f}")):
+                        value = shown.get(d["stage"], {}).get(key)
+                        if value is not None:
+                            bits.append(label.format(value))
                     if live.get("eta_s") is not None:
                         bits.append(f"ETA {human_duration(live['eta_s'])}")
                     progress.update(tasks[d["stage"]], completed=float(live.get("progress") or 0.0),
@@ -75,14 +83,16 @@ def follow(run_id: int, console=None) -> int:
 
 
 def summary(run: dict, console) -> None:
+    """The run's table (one row per stage: state, attempts, duration, tok/s, what it made), its
+    root causes, and each stage's output paths."""
     from rich.table import Table
 
     table = Table(title=f"run {run['id']} {run['name']}: {run['state']}")
-    for col in ("stage", "state", "attempts", "duration", "tok/s"):
+    for col in ("stage", "state", "attempts", "duration", "tok/s", "result"):
         table.add_column(col)
     for s in run["stages"]:
         table.add_row(s["name"], s["state"], str(s["attempts"]), human_duration(s["duration"]),
-                      f"{s['tok_s']:,.0f}" if s["tok_s"] else "")
+                      f"{s['tok_s']:,.0f}" if s["tok_s"] else "", result(s["name"], s.get("summary")))
     console.print(table)
     for s in run["stages"]:
         for a in s["attempt_list"]:
@@ -90,5 +100,30 @@ def summary(run: dict, console) -> None:
             if rc and a is s["attempt_list"][-1]:
                 console.print(f"[red]{s['name']} attempt {a['number']}: rank {rc['rank']} {rc['type']}"
                               f"{': ' + rc['message'] if rc['message'] else ''}[/red]")
+    for s in run["stages"]:
+        outputs = (s.get("summary") or {}).get("outputs") or []
+        if outputs:
+            console.print(f"{s['name']:<8} -> {', '.join(outputs)}", highlight=False, soft_wrap=True)
     if run.get("output_dir"):
-        console.print(f"outputs: {run['output_dir']}")
+        console.print(f"outputs: {run['output_dir']}", highlight=False, soft_wrap=True)
+
+
+def _num(value, fmt: str) -> str:
+    return format(value, fmt) if isinstance(value, (int, float)) else "?"
+
+
+def result(stage: str, s: dict | None) -> str:
+    """One line of what a stage made, from its summary.json (known stages; else nothing)."""
+    if not s:
+        return ""
+    if stage == "prepare" and "rows_out" in s:
+        return f"{s['rows_out']} rows, {s.get('tokens', 0):,} tokens, {s.get('skipped_total', 0)} skipped"
+    if stage == "extract" and "samples" in s:
+        return f"{s['samples']} samples, layers {s.get('layer_ids')}"
+    if stage == "vocab" and "draft_vocab_size" in s:
+        return f"{s['draft_vocab_size']} of {s.get('target_vocab_size')} tokens, coverage {_num(s.get('coverage'), '.0%')}"
+    if stage == "train" and "val_loss" in s:
+        accs = "/".join(_num(s[f"val_acc_{k}"], ".2f") for k in range(16) if f"val_acc_{k}" in s)
+        return (f"loss {_num(s.get('loss'), '.4f')}, val {_num(s.get('val_loss'), '.4f')} "
+                f"(from {_num(s.get('val_loss_initial'), '.4f')}), val acc {accs}")
+    return ""

@@ -1,7 +1,9 @@
-"""`eyas demo`: the main job, end to end, leaving nothing running."""
+"""`eyas demo`: the whole pipeline end to end (prepare -> extract -> vocab -> train on the tiny
+DeepseekV3 target, 2 ranks), leaving nothing running; Ctrl-C at any point stops it cleanly."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,10 +17,11 @@ from daemon_harness import short_tmp, wait_for
 from eyas.state import paths, queries, store
 
 EYAS = str(Path(sys.executable).with_name("eyas"))
+STAGES = ["prepare", "extract", "vocab", "train"]
 
 
 def _env(home: Path) -> dict:
-    return {**os.environ, "EYAS_HOME": str(home), "XDG_RUNTIME_DIR": str(home / "rt"), "COLUMNS": "120"}
+    return {**os.environ, "EYAS_HOME": str(home), "XDG_RUNTIME_DIR": str(home / "rt"), "COLUMNS": "200"}
 
 
 def _eyas_processes(home: Path) -> list[int]:
@@ -33,36 +36,86 @@ def _eyas_processes(home: Path) -> list[int]:
     return found
 
 
-def test_demo_runs_the_pipeline_and_leaves_nothing_behind():
-    home = short_tmp()
-    out = subprocess.run([EYAS, "demo"], env=_env(home), capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "run 1 demo: succeeded" in out.stdout
-    assert "selftest" in out.stdout and "eyas daemon stopped" in out.stdout
+def _run(home: Path) -> dict:
     db = store.open_reader(paths.db_path(home))
-    run = queries.get_run(db, 1)
-    assert run["state"] == "succeeded" and run["tok_s"] > 0
-    assert [r["exit_code"] for r in run["stages"][0]["attempt_list"][0]["ranks"]] == [0, 0]
+    try:
+        return queries.get_run(db, 1)
+    finally:
+        db.conn.close()
+
+
+def test_demo_runs_the_whole_pipeline_and_leaves_nothing_behind():
+    home = short_tmp()
+    t0 = time.monotonic()
+    out = subprocess.run([EYAS, "demo"], env=_env(home), capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - t0
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    assert "run 1 demo: succeeded" in text
+    assert f"eyas --home {home} tui 1" in text and "eyas daemon stopped" in text
+    run = _run(home)
+    assert run["state"] == "succeeded" and [s["name"] for s in run["stages"]] == STAGES
+    assert all(s["state"] == "succeeded" and s["attempts"] == 1 for s in run["stages"])
+    stages = {s["name"]: s for s in run["stages"]}
+    for name in STAGES:
+        # The summary table's row of the stage, with what it made.
+        row = next(line for line in text.splitlines() if line.startswith(f"│ {name} "))
+        assert "succeeded" in row, row
+    assert [r["exit_code"] for r in stages["train"]["attempt_list"][0]["ranks"]] == [0, 0]
+    tr = stages["train"]["summary"]
+    assert tr["val_loss"] < tr["val_loss_initial"]
+    assert f"val {tr['val_loss']:.4f} (from {tr['val_loss_initial']:.4f})" in text
+    ckpt = Path(tr["checkpoint"])
+    assert json.loads((ckpt / "config.json").read_text())["speculators_model_type"] == "eagle3"
+    assert f"train    -> {ckpt}" in text
+    assert stages["train"]["tok_s"] > 0 and stages["extract"]["tok_s"] > 0
+    assert took < 300
     assert _eyas_processes(home) == []
 
 
-def test_ctrl_c_stops_the_demo_cleanly():
-    home = short_tmp()
-    proc = subprocess.Popen([EYAS, "demo"], env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    wait_for(lambda: paths.db_path(home).exists() and _ranks_running(home), 60, what="the demo's ranks")
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130, out
-    run = queries.get_run(store.open_reader(paths.db_path(home)), 1)
-    assert (run["state"], run["stages"][0]["state"]) == ("cancelled", "cancelled")
-    wait_for(lambda: _eyas_processes(home) == [], 10, what="no process left")
-
-
-def _ranks_running(home: Path) -> bool:
+def _ranks_running(home: Path, n: int = 2) -> bool:
     try:
         db = store.open_reader(paths.db_path(home))
         rows = db.execute("select count(*) from ranks where pid is not null and state = 'running'").fetchone()[0]
-        return rows == 2
+        return rows == n
     except Exception:
         return False
+
+
+def test_ctrl_c_stops_the_demo_run_cleanly():
+    home = short_tmp()
+    proc = subprocess.Popen([EYAS, "demo"], env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    # extract is the first stage with 2 ranks.
+    wait_for(lambda: paths.db_path(home).exists() and _ranks_running(home), 180, what="the demo's ranks")
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "stopping the run" in out and "eyas daemon stopped" in out
+    run = _run(home)
+    states = {s["name"]: s["state"] for s in run["stages"]}
+    assert run["state"] == "cancelled" and "cancelled" in states.values()
+    assert all(st in ("succeeded", "cancelled", "pending") for st in states.values()), states
+    wait_for(lambda: _eyas_processes(home) == [], 10, what="no process left")
+
+
+def test_ctrl_c_while_the_assets_are_built_leaves_nothing_behind():
+    home = short_tmp()
+    proc = subprocess.Popen([EYAS, "demo"], env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+    def building() -> bool:
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if "eyas.workers.assets" in (p.info["cmdline"] or []) and p.ppid() == proc.pid:
+                    return True
+            except psutil.Error:
+                pass
+        return False
+
+    wait_for(building, 60, interval=0.02, what="the asset build")
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "stopped" in out and "eyas daemon stopped" in out and "submitted" not in out
+    wait_for(lambda: _eyas_processes(home) == [], 10, what="no process left")
