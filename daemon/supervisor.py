@@ -29,6 +29,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -128,6 +129,22 @@ class RankExit:
             return signal.Signals(self.signal).name
         except ValueError:
             return f"signal {self.signal}"
+
+
+# How long after a peer's lost-connection error a death by signal still counts as its cause.
+PEER_LOSS_WINDOW = 1.0
+# What gloo, NCCL and torch.distributed say when the other end of a collective went away.
+_PEER_LOSS = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|DistBackendError|"
+                        r"DistNetworkError|remote process exited|NCCL communicator was aborted", re.IGNORECASE)
+
+
+def _failure_time(ex: RankExit) -> float:
+    """When a failure happened: its exception's own time if it raised one, else its exit."""
+    return float((ex.error or {}).get("time") or ex.time)
+
+
+def _is_peer_loss(error: dict) -> bool:
+    return bool(_PEER_LOSS.search(f"{error.get('type', '')}: {error.get('message', '')}"))
 
 
 @dataclass
@@ -434,10 +451,24 @@ class Group:
         return exits
 
     def failures(self) -> list[RankExit]:
-        """The ranks' own failures, earliest first: the first one is the root cause."""
+        """The ranks' own failures, earliest first: the first one is the root cause.
+
+        One exception to time order: a peer's lost-connection error just before a death by
+        signal is that death's consequence. A death's time is when its monitor's waitpid
+        returned, a few ms after the kernel closed the dead rank's sockets, and the
+        survivors' collective library reports the closed socket at once, so the effect can
+        be stamped before its cause.
+        """
         members = list(self.ranks) + [self.workers[k] for k in sorted(self.workers)]
         found = [r.exit for r in members if r.exit is not None and self.counts_as_failure(r.exit)]
-        return sorted(found, key=lambda e: (float((e.error or {}).get("time") or e.time), e.rank))
+        found.sort(key=lambda e: (_failure_time(e), e.rank))
+        if found and found[0].error is not None and _is_peer_loss(found[0].error):
+            first = _failure_time(found[0])
+            for i, e in enumerate(found):
+                if e.error is None and e.signal is not None and _failure_time(e) - first <= PEER_LOSS_WINDOW:
+                    found.insert(0, found.pop(i))
+                    break
+        return found
 
     # -- tear down ---------------------------------------------------------------------
 
