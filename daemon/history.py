@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import sys
 import time
 
 from eyas.state import machine, paths, queries
+from eyas.state.display import exit_text
 
 from . import output as out
 
@@ -120,20 +120,6 @@ def error_title(err: dict) -> str:
     """`Type: message`, or `Type (empty message)`: an empty message is still an error."""
     message = err.get("message") or ""
     return f"{err['type']}: {message}" if message.strip() else f"{err['type']} (empty message)"
-
-
-def exit_text(rank: dict) -> str:
-    """How a rank ended: `exit 1`, `SIGKILL`, `SIGKILL (OOM)`; blank while it runs."""
-    sig = rank.get("signal")
-    if sig:
-        try:
-            name = signal.Signals(sig).name
-        except ValueError:
-            name = f"signal {sig}"
-        return name + (" (OOM)" if rank.get("oom_killed") else "")
-    if rank.get("exit_code") is not None:
-        return f"exit {rank['exit_code']}" + (" (OOM)" if rank.get("oom_killed") else "")
-    return ""
 
 
 def _outputs(run: dict) -> list[str]:

@@ -5,6 +5,7 @@ Stdlib only."""
 
 from __future__ import annotations
 
+import signal
 import time
 from datetime import datetime, timezone
 
@@ -54,3 +55,18 @@ def size(nbytes: float | None) -> str:
 def count(x: float | None) -> str:
     """A rate or count rounded, with thousands separators (`1,234`); blank when unknown."""
     return "" if x is None else f"{round(x):,}"
+
+
+def exit_text(rank: dict) -> str:
+    """How a rank ended: `exit 1`, `SIGKILL`, `SIGKILL (OOM)`; blank while it runs."""
+    sig = rank.get("signal")
+    oom = " (OOM)" if rank.get("oom_killed") else ""
+    if sig:
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return name + oom
+    if rank.get("exit_code") is not None:
+        return f"exit {rank['exit_code']}" + oom
+    return ""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from eyas.state.display import count, duration, local_minute, local_second, size  # noqa: F401 (re-exported)
+from eyas.state.display import count, duration, exit_text, local_minute, local_second, size  # noqa: F401 (re-exported)
 
 STATE_STYLE = {
     "succeeded": ("✓", "green"),
@@ -83,22 +83,6 @@ def eta(seconds: float | None) -> str:
 
 def rate(tok_s: float | None) -> str:
     return "– tok/s" if tok_s is None else f"{count(tok_s)} tok/s"
-
-
-def exit_text(rank: dict) -> str:
-    """`exit 0`, `exit 3`, `SIGKILL (OOM)`: how a rank ended; blank while it runs."""
-    sig = rank.get("signal")
-    if sig:
-        import signal as _signal
-
-        try:
-            name = _signal.Signals(sig).name
-        except ValueError:
-            name = f"signal {sig}"
-        return name + (" (OOM)" if rank.get("oom_killed") else "")
-    if rank.get("exit_code") is not None:
-        return f"exit {rank['exit_code']}"
-    return ""
 
 
 def fit_columns(specs: list[tuple[str, str, int, int]], width: int) -> list[tuple[str, str, int]]:
