@@ -164,8 +164,11 @@ def test_retry_resumes_from_completed_work(daemon):
     attempt2 = Path(stage["attempt_list"][1]["dir"])
     out_dir = Path(run["output_dir"]) / "selftest"
     result = json.loads((out_dir / "rank-0.result.json").read_text())
-    assert result["steps_run_this_attempt"] == 4
-    assert "resuming at step 6" in (attempt2 / "rank-0.log").read_text()
+    # Every rank raises at step 6, so rank 0 completed 6 steps, or fewer when rank 1 raised
+    # first and the teardown stopped rank 0 before its own step 6 (a loaded machine).
+    resumed_at = 10 - result["steps_run_this_attempt"]
+    assert 1 <= resumed_at <= 6, result
+    assert f"resuming at step {resumed_at}" in (attempt2 / "rank-0.log").read_text()
 
 
 def test_max_restarts_with_backoff_ends_failed(daemon):
