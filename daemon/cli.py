@@ -21,6 +21,7 @@ COMMANDS = {
     "logs": "eyas.daemon.logs:command",
     "errors": "eyas.daemon.history:errors",
     "validate": "eyas.daemon.configcheck:command",
+    "doctor": "eyas.daemon.doctor:command",
     "demo": "eyas.daemon.demo:command",
     "tui": "eyas.tui.app:command",
 }
@@ -90,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("validate", help="check a run config without submitting it")
     v.add_argument("config")
+
+    doc = sub.add_parser("doctor", help="check a run config, its target and this machine (no weights loaded)")
+    doc.add_argument("config", help="the run's TOML file")
+    doc.add_argument("--json", action="store_true", help="print the checks as JSON")
 
     sub.add_parser("demo", help="the whole pipeline on a tiny built-in target")
 

@@ -224,7 +224,7 @@ class Core:
         """The GPUs a stage needs, or None when they are busy. [] means CPU only."""
         wanted = cfg.get("resources", {}).get("devices", "auto")
         held = self._held_devices()
-        if wanted == "cpu":
+        if wanted == "cpu" or not specs.STAGES[stage].gpus:
             return []
         if isinstance(wanted, list):
             return None if any(d in held for d in wanted) else list(wanted)
@@ -232,7 +232,11 @@ class Core:
         if count == 0:
             return []
         extract = cfg.get("extract", {})
-        per_rank = extract.get("tensor_parallel_size", 1) if stage == "extract" and extract.get("backend") == "vllm" else 1
+        per_rank = 1
+        if stage == "extract" and extract.get("backend") == "vllm":
+            per_rank = extract.get("tensor_parallel_size", 1)
+        elif stage == "evaluate":       # vLLM at the run's TP size, target and draft on every GPU
+            per_rank = (cfg.get("evaluate") or {}).get("tensor_parallel_size") or extract.get("tensor_parallel_size", 1)
         need = world_size * per_rank
         free = [d for d in range(count) if d not in held]
         return free[:need] if len(free) >= need else None

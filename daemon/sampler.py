@@ -20,8 +20,8 @@ from typing import Any
 
 import psutil
 
-from eyas.daemon.nvml import GpuProbe
 from eyas.daemon.progressfile import read_new
+from eyas.workers.nvml import GpuProbe
 
 # psutil create_time() is boot time + ticks since boot, and the kernel recomputes boot time
 # from the wall clock, so the same process can read a second apart after a clock step.

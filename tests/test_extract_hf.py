@@ -516,7 +516,8 @@ def test_writer_failure_fails_the_rank(tmp_path):
 
 
 def _toml(name: str, output_dir: Path, target: Path) -> str:
-    return (f'name = "{name}"\noutput_dir = "{output_dir}"\npipeline = ["extract"]\n'
+    # preflight = false: these runs test extraction alone (test_doctor.py covers the preflight stage).
+    return (f'name = "{name}"\noutput_dir = "{output_dir}"\npipeline = ["extract"]\npreflight = false\n'
             f'[target]\npath = "{target}"\ndtype = "float32"\n'
             '[resources]\nranks = 2\ndevices = "cpu"\n'
             '[extract]\nbackend = "hf"\nbatch_size = 4\n'

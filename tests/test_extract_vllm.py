@@ -618,7 +618,8 @@ def test_wrapper_adapter_serves_the_kimi_nesting(models, ext_dir, tmp_path):
 def run_toml(name: str, output_dir: Path, target: Path, tp: int, options: dict | None = None,
              batch_size: int = 4) -> str:
     opts = ", ".join(f"{k} = {json.dumps(v)}" for k, v in (options or {}).items())
-    return (f'name = "{name}"\noutput_dir = "{output_dir}"\npipeline = ["extract"]\n'
+    # preflight = false: these runs test extraction alone (test_doctor.py covers the preflight stage).
+    return (f'name = "{name}"\noutput_dir = "{output_dir}"\npipeline = ["extract"]\npreflight = false\n'
             f'[target]\npath = "{target}"\ndtype = "float32"\n'
             '[resources]\nranks = 1\ndevices = "cpu"\n'
             f'[extract]\nbackend = "vllm"\ntensor_parallel_size = {tp}\nbatch_size = {batch_size}\n'

@@ -17,8 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"daemon": "eyas.daemon", "state": "eyas.state", "workers": "eyas.workers", "tui": "eyas.tui"}
 ENGINES = {"torch", "transformers", "vllm", "textual", "speculators", "safetensors", "datasets", "numpy"}
-# The only parts of eyas.workers the daemon may know: pure-stdlib specs.
-WORKER_SPECS = {"eyas.workers", "eyas.workers.specs", "eyas.workers.config"}
+# The only parts of eyas.workers the daemon may know: pure modules (stdlib; pynvml for nvml).
+WORKER_SPECS = {"eyas.workers", "eyas.workers.specs", "eyas.workers.config", "eyas.workers.nvml"}
 
 
 def _module_name(path: Path) -> str:
@@ -94,7 +94,7 @@ def test_daemon_imports_no_engines_and_only_worker_specs():
         if _top(n) in ENGINES:
             return "the daemon must start fast and stay small"
         if n.startswith("eyas.workers") and n not in WORKER_SPECS and _is_real_module(n):
-            return "the daemon may know only eyas.workers.specs and eyas.workers.config"
+            return "the daemon may know only eyas.workers.specs, config and nvml"
         if n.startswith("eyas.tui") and _is_real_module(n):
             return "the daemon never imports the TUI"
         return None

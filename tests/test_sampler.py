@@ -17,7 +17,7 @@ import psutil
 import pynvml
 import pytest
 
-from eyas.daemon.nvml import FAKE_ENV, GpuProbe, JsonFakeNvml, load_nvml
+from eyas.workers.nvml import FAKE_ENV, GpuProbe, JsonFakeNvml, load_nvml
 from eyas.daemon.progressfile import read_new
 from eyas.daemon.sampler import RankRef, Sampler
 

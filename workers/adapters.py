@@ -47,6 +47,53 @@ API: dict[str, dict[str, str]] = {
     "vllm": {"embed": "embed_input_ids"},        # takes input ids, returns embeddings
 }
 
+# Every method name known to serve a purpose on some backend's classes, so that a mismatch can
+# name the one a class does have (a superset of API's values).
+KNOWN_METHODS: dict[str, tuple[str, ...]] = {
+    "embed": ("embed_input_ids", "get_input_embeddings"),
+}
+
+# The parameters of a decoder layer's forward that carry the residual stream, per backend's
+# tap: transformers passes the whole stream first; vLLM splits it into hidden_states +
+# residual. The taps below and `eyas doctor` (doctor_adapter.py) both read this.
+STREAM_PARAMS: dict[str, tuple[str, ...]] = {
+    "hf": ("hidden_states",),
+    "vllm": ("hidden_states", "residual"),
+}
+
+
+def api_problem(cls: type, purpose: str, backend: str) -> str | None:
+    """Why `cls` cannot serve `purpose` on `backend` (see API), or None when it can."""
+    name = API[backend][purpose]
+    if callable(getattr(cls, name, None)):
+        return None
+    known = set(KNOWN_METHODS.get(purpose, ())) | {api[purpose] for api in API.values()}
+    others = sorted(o for o in known - {name} if callable(getattr(cls, o, None)))
+    has = f"; it has {', '.join(o + '()' for o in others)}" if others else ""
+    return f"'{cls.__name__}' has no {name}(), the {backend} API for {purpose}{has}"
+
+
+def layer_problem(cls: type, backend: str) -> str | None:
+    """Why the `backend` tap cannot read the stream entering a decoder layer of class `cls`
+    (STREAM_PARAMS missing from its forward), or None when it can."""
+    for name in STREAM_PARAMS[backend]:
+        index = _param_index(cls.forward, name)
+        if index is None:
+            return _layer_mismatch(cls, name, backend)
+        if backend == "hf" and index != 1:
+            # _hf_stream takes a positional call's first argument as the stream.
+            return (f"{cls.__name__}.forward{_signature(cls.forward)} does not take 'hidden_states' first: the hf "
+                    "tap reads the stream entering a decoder layer as its first argument; this layer class is "
+                    "not laid out as the adapter expects (add its family to eyas/workers/adapters.py)")
+    return None
+
+
+def _layer_mismatch(cls: type, missing: str, backend: str) -> str:
+    reads = "hidden_states + residual" if backend == "vllm" else "hidden_states"
+    return (f"{cls.__name__}.forward{_signature(cls.forward)} has no '{missing}' parameter: the {backend} tap "
+            f"reads the residual stream entering a decoder layer as {reads}; this layer class is not laid out "
+            "as the adapter expects (add its family to eyas/workers/adapters.py)")
+
 
 def _resolve(model: Any, path: str) -> Any:
     """Follow a dotted path; a segment ending in "()" is a method to call, such as vLLM's
@@ -124,14 +171,10 @@ class Decoder:
     def api(self, purpose: str, backend: str) -> Callable:
         """The decoder's own method for `purpose` on `backend` (see API), checked on the
         loaded class: a missing one fails naming the class and the method."""
-        name = API[backend][purpose]
-        cls = type(self.module)
-        if not callable(getattr(cls, name, None)):
-            others = sorted(o for o in {api[purpose] for api in API.values()} - {name}
-                            if callable(getattr(cls, o, None)))
-            has = f"; it has {', '.join(o + '()' for o in others)}" if others else ""
-            raise AdapterMismatch(f"'{cls.__name__}' has no {name}(), the {backend} API for {purpose}{has}")
-        return getattr(self.module, name)
+        problem = api_problem(type(self.module), purpose, backend)
+        if problem:
+            raise AdapterMismatch(problem)
+        return getattr(self.module, API[backend][purpose])
 
     @staticmethod
     def meaning(layer_id: int, n: int) -> str:
@@ -191,21 +234,16 @@ def _vllm_binder(module: Any) -> Callable[[tuple, dict], Any]:
     two arguments (x, residual), as vLLM itself calls it.
     """
     cls = type(module)
-    h = _param_index(cls.forward, "hidden_states")
-    r = _param_index(cls.forward, "residual")
+    hname, rname = STREAM_PARAMS["vllm"]
+    h = _param_index(cls.forward, hname)
+    r = _param_index(cls.forward, rname)
     if h is not None and r is not None:
         # Signature indices count `self`; the hook's args do not.
         h, r = h - 1, r - 1
-        hname, rname = "hidden_states", "residual"
     elif h is None and r is None and _is_norm(module):
         h, r, hname, rname = 0, 1, "x", "residual"
     else:
-        missing = "hidden_states" if h is None else "residual"
-        raise AdapterMismatch(
-            f"{cls.__name__}.forward{_signature(cls.forward)} has no '{missing}' parameter: the vllm tap "
-            "reads the residual stream entering a decoder layer as hidden_states + residual; "
-            "this layer class is not laid out as the adapter expects (add its family to "
-            "eyas/workers/adapters.py)")
+        raise AdapterMismatch(layer_problem(cls, "vllm"))
 
     def read(args: tuple, kwargs: dict) -> Any:
         hidden = _arg(args, kwargs, h, hname)

@@ -172,7 +172,7 @@ def read_model_config(target_path: str | os.PathLike) -> dict[str, Any]:
     return cfg
 
 
-def _text_value(model_cfg: dict[str, Any], key: str) -> Any:
+def text_value(model_cfg: dict[str, Any], key: str) -> Any:
     """`key` of the language model: multimodal wrappers (e.g. KimiK25ForConditionalGeneration)
     keep it under text_config."""
     if key in model_cfg:
@@ -183,7 +183,7 @@ def _text_value(model_cfg: dict[str, Any], key: str) -> Any:
 
 def num_hidden_layers(target_path: str | os.PathLike) -> int:
     """The target's decoder depth N, from config.json (or its text_config)."""
-    n = _text_value(read_model_config(target_path), "num_hidden_layers")
+    n = text_value(read_model_config(target_path), "num_hidden_layers")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError("config.json has no num_hidden_layers (nor text_config.num_hidden_layers)")
     return n
@@ -322,7 +322,9 @@ def _allowed(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
-_TOP_KEYS = _allowed(RunConfig)
+# `preflight = false` turns off the preflight stage that validation puts first (see _with_preflight);
+# it is read here only, so RunConfig keeps no field for it.
+_TOP_KEYS = _allowed(RunConfig) + ["preflight"]
 
 
 def _check_name(ck: _Checker, data: dict) -> str:
@@ -368,6 +370,28 @@ def _check_pipeline(ck: _Checker, data: dict) -> tuple[str, ...]:
         else:
             out.append(item)
     return tuple(out)
+
+
+def _with_preflight(ck: _Checker, data: dict, pipeline: tuple[str, ...]) -> tuple[str, ...]:
+    """The pipeline with "preflight" (eyas doctor's checks) first when any stage reads the target,
+    unless the user placed it themselves or set `preflight = false`. Pipelines of stages that need
+    no target (selftest) get none."""
+    wanted = ck.boolean("preflight", data["preflight"]) if "preflight" in data else True
+    if wanted is False and "preflight" in pipeline:
+        ck.error("preflight", "false, but pipeline lists \"preflight\"; remove it from pipeline or drop this key")
+    if wanted is not True or "preflight" in pipeline:
+        return pipeline
+    if any(STAGES[s].needs_target for s in pipeline):
+        return ("preflight", *pipeline)
+    return pipeline
+
+
+def layer_id_errors(value: Any, n: int | None) -> list[str]:
+    """What is wrong with a list of layer ids for an `n`-layer target, one "problem; fix" line
+    each (the checks `validate` runs on extract.layer_ids); [] when nothing is."""
+    ck = _Checker("", Path("."))
+    _check_layer_ids(ck, value, n)
+    return [e.removeprefix(": extract.layer_ids: ") for e in ck.errors]
 
 
 def _stages_phrase(stages: list[str]) -> str:
@@ -567,7 +591,8 @@ def validate(data: dict[str, Any], base_dir: str | os.PathLike, source: str) -> 
     pipeline = _check_pipeline(ck, data)
     target, model_cfg = _check_target(ck, data, pipeline)
     data_cfg = _check_data(ck, data, pipeline)
-    n_layers = _text_value(model_cfg, "num_hidden_layers") if model_cfg else None
+    pipeline = _with_preflight(ck, data, pipeline)
+    n_layers = text_value(model_cfg, "num_hidden_layers") if model_cfg else None
 
     extract_t = ck.table(data, "extract", _allowed(ExtractConfig))
     extract = ck.fields(extract_t, "extract", {
@@ -617,7 +642,7 @@ def validate(data: dict[str, Any], base_dir: str | os.PathLike, source: str) -> 
         ck.error("extract.tensor_parallel_size",
                  f"{tp} needs {tp} GPUs but resources.devices lists {len(devices)}; "
                  f"list {tp} devices or lower tensor_parallel_size")
-    target_vocab = _text_value(model_cfg, "vocab_size") if model_cfg else None
+    target_vocab = text_value(model_cfg, "vocab_size") if model_cfg else None
     vocab = draft.get("vocab_size", DraftConfig.vocab_size)
     # The default draft vocab matters only to stages that build or train a draft.
     uses_draft = {"vocab", "train", "evaluate"} & set(pipeline) or "vocab_size" in (draft_t or {})

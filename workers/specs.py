@@ -17,16 +17,21 @@ class StageSpec:
     max_restarts: int = 0
     needs_target: bool = True   # the stage reads the target model
     needs_data: bool = False    # the stage reads the dataset
+    gpus: bool = True           # False: runs on CPU (tokenizing, counting, checks) and holds no GPU
 
 
 STAGES: dict[str, StageSpec] = {
     spec.name: spec
     for spec in (
+        # `eyas doctor`'s checks, run first in every run that reads a target (config.py puts it
+        # there): a failed check stops the run before any rank group loads anything.
+        StageSpec("preflight", "eyas.workers.stages.preflight:main", "check versions, target, adapter, "
+                  "tokenizer and resources", distributed=False, gpus=False),
         StageSpec("prepare", "eyas.workers.stages.prepare:main", "render chats, build loss masks",
-                  distributed=False, needs_data=True),
+                  distributed=False, needs_data=True, gpus=False),
         StageSpec("extract", "eyas.workers.stages.extract:main", "capture the target's hidden states"),
         StageSpec("vocab", "eyas.workers.stages.vocab:main", "build the draft vocabulary mapping",
-                  distributed=False),
+                  distributed=False, gpus=False),
         StageSpec("train", "eyas.workers.stages.train:main", "train the EAGLE-3 draft"),
         StageSpec("evaluate", "eyas.workers.stages.evaluate:main", "measure acceptance in vLLM",
                   distributed=False),

@@ -1,8 +1,12 @@
 """GPU figures through NVML (pynvml), or through a JSON-backed fake where no GPU exists.
 
-`GpuProbe` is the only thing the sampler talks to. Without a driver it says so once and
-then answers every question with an empty result, so the daemon runs the same on a
-laptop, in CI and on a GPU host.
+`GpuProbe` is the only thing the daemon's sampler and the doctor's resource check talk to.
+Without a driver it says so once and then answers every question with an empty result, so
+the daemon runs the same on a laptop, in CI and on a GPU host.
+
+Pure (stdlib + pynvml, whose ctypes binding loads the driver only in nvmlInit): both the
+daemon and the workers import it, so it lives in eyas.workers beside the other modules the
+daemon may know (specs, config).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ def load_nvml() -> Any:
     fake = os.environ.get(FAKE_ENV)
     if fake:
         return JsonFakeNvml(fake)
-    import pynvml  # lazy: only the sampler needs it, and only once
+    import pynvml  # lazy: only the sampler and the doctor need it, and only once
 
     return pynvml
 

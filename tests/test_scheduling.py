@@ -1,0 +1,49 @@
+"""Which GPUs each stage claims: the scheduler's real device logic, with only the GPU count faked."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from eyas.daemon.core import Core
+
+
+class _Holder:
+    def __init__(self, run_id: int, devices: list[int]):
+        self.run_id, self.devices = run_id, devices
+
+
+def _core(gpus: int, held: dict[int, list[int]] | None = None) -> Core:
+    sampler = SimpleNamespace(gpu_available=gpus > 0, gpu=SimpleNamespace(device_count=lambda: gpus))
+    core = Core(db=None, home=None, sampler=sampler)
+    core.groups = {i: _Holder(run, devs) for i, (run, devs) in enumerate((held or {}).items())}
+    return core
+
+
+CFG = {"resources": {"devices": "auto"}, "extract": {"backend": "vllm", "tensor_parallel_size": 4},
+       "evaluate": {"tensor_parallel_size": 2}}
+
+
+@pytest.mark.parametrize("stage, world, expected", [
+    ("preflight", 1, []), ("prepare", 1, []), ("vocab", 1, []),     # CPU work holds no GPU
+    ("extract", 1, [0, 1, 2, 3]),                                   # one vLLM driver at TP 4
+    ("train", 2, [0, 1]),                                           # one GPU per rank
+    ("evaluate", 1, [0, 1]),                                        # vLLM at evaluate's TP size
+])
+def test_each_stage_claims_what_it_runs_on(stage, world, expected):
+    assert _core(8)._devices_for(CFG, stage, world) == expected
+
+
+def test_cpu_stages_start_while_another_run_holds_every_gpu():
+    core = _core(2, held={7: [0, 1]})
+    assert core._devices_for(CFG, "preflight", 1) == []
+    assert core._devices_for(CFG, "prepare", 1) == []
+    assert core._devices_for(CFG, "train", 1) is None          # waits for a GPU
+    assert core._devices_for({**CFG, "resources": {"devices": [1]}}, "vocab", 1) == []
+
+
+def test_evaluate_defaults_to_extracts_tp_size_and_waits_when_short():
+    cfg = {**CFG, "evaluate": {}}
+    assert _core(8)._devices_for(cfg, "evaluate", 1) == [0, 1, 2, 3]
+    assert _core(8, held={3: [0, 1, 2, 3, 4]})._devices_for(cfg, "evaluate", 1) is None

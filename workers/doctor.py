@@ -1,0 +1,165 @@
+"""`eyas doctor run.toml`: check a run before it starts, without loading a weight.
+
+`python -m eyas.workers.doctor CONFIG [--json]` is what the CLI execs (the daemon side of eyas
+never imports torch); the preflight stage (stages/preflight.py) runs the same `run_checks`.
+Checks, cheapest first so a broken install is reported in a second:
+versions (doctor_versions) -> target config, weights index, custom code (doctor_target) ->
+layer ids -> GPUs, memory, disk, output dir (doctor_resources) -> tokenizer and its chat
+template (doctor_tokenizer) -> adapter fit against the backend's classes (doctor_adapter).
+Exit status: 0 when nothing failed (warnings allowed), 1 when a check failed, 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+from eyas.workers import config, doctor_check
+from eyas.workers.doctor_check import Check, failed
+
+CONFIG_GROUP = "config"
+
+
+def load_config(path: str) -> tuple[config.RunConfig | None, list[Check], list | None, bool]:
+    """(config, checks for its mistakes, the layer ids as written, whether they were defaulted).
+
+    Layer-id mistakes are the doctor's to explain (with the target's depth in plain words),
+    so a config whose only mistakes are its layer ids is loaded without them and the ids
+    as written are returned for the layer-id check. Any other mistake is a failed check each,
+    and nothing else can be checked.
+    """
+    try:
+        cfg = config.load(path)
+    except config.ConfigError as exc:
+        errors = exc.errors
+    else:
+        data = _toml(path)
+        written = (data.get("extract") or {}).get("layer_ids") if isinstance(data.get("extract"), dict) else None
+        return cfg, [], None, written is None
+    layer_errors = [e for e in errors if ": extract.layer_ids: " in e]
+    if layer_errors and len(layer_errors) == len(errors):
+        data = _toml(path)
+        written = data["extract"].pop("layer_ids")
+        try:
+            cfg = config.validate(data, Path(path).absolute().parent, path)
+        except config.ConfigError as again:
+            errors = again.errors
+        else:
+            return cfg, [], written, False
+    checks = []
+    for line in errors:
+        where, _, rest = line.partition(": ")
+        key, _, text = rest.partition(": ")
+        problem, _, fix = text.partition("; ")
+        if not text:        # a file-level error (unreadable, TOML syntax): "<file>: <problem>; <fix>"
+            problem, _, fix = rest.partition("; ")
+            key = "file"
+        checks.append(failed(CONFIG_GROUP, key, problem, fix or f"fix {key} in {where}"))
+    return None, checks, None, False
+
+
+def _toml(path: str) -> dict:
+    return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def default_output_dir() -> str:
+    """Where the daemon creates a run's outputs when output_dir is unset: runs/<id>/out under
+    its state folder. The id is not known yet, so the runs folder stands for it."""
+    from eyas.state.paths import runs_dir
+
+    return str(runs_dir())
+
+
+def run_checks(cfg: config.RunConfig, output_dir: str, layer_ids: list | tuple | None = None,
+               defaulted: bool = False) -> list[Check]:
+    """Every check of a loaded config, in order. `layer_ids`: the ids as the user wrote them,
+    when they differ from cfg's (see load_config)."""
+    from eyas.workers import doctor_resources, doctor_target, doctor_versions
+
+    checks: list[Check] = []
+    uses_vllm = ("extract" in cfg.pipeline and cfg.extract.backend == "vllm") or "evaluate" in cfg.pipeline
+    checks += doctor_versions.check(needs_vllm=uses_vllm)
+    if cfg.target is None:
+        return checks
+    facts, found = doctor_target.read(cfg.target.path)
+    checks += found
+    if facts is None:
+        return checks
+    checks.append(doctor_target.remote_code(facts, cfg.target.trust_remote_code))
+    ids = layer_ids if layer_ids is not None else cfg.extract.layer_ids
+    if ids is not None and ("extract" in cfg.pipeline or layer_ids is not None):
+        checks.append(doctor_target.layer_ids(ids, facts.num_layers, defaulted))
+
+    gpus = doctor_resources.probe_gpus() if cfg.resources.devices != "cpu" else doctor_resources.Gpus(False, [])
+    gpu_check, usable = doctor_resources.gpus(cfg, gpus)
+    checks.append(gpu_check)
+    for extra in (doctor_resources.memory(cfg, facts.weight_bytes, usable),
+                  doctor_resources.disk(cfg, output_dir, len(ids or ()), facts.hidden_size)):
+        if extra is not None:
+            checks.append(extra)
+    checks.append(doctor_resources.writable(output_dir))
+
+    from eyas.workers import doctor_tokenizer
+
+    renders = "prepare" in cfg.pipeline and (cfg.data is None or cfg.data.format != "tokenized")
+    checks += doctor_tokenizer.check(cfg.target.path, cfg.target.trust_remote_code, facts.vocab_size, renders)
+    if "extract" in cfg.pipeline:
+        from eyas.workers import doctor_adapter
+
+        checks += doctor_adapter.check(facts, cfg.extract.backend, cfg.target.trust_remote_code)
+    return checks
+
+
+def diagnose(path: str, output_dir: str | None = None) -> list[Check]:
+    """Load the config at `path` and run every check it allows."""
+    cfg, checks, written_ids, defaulted = load_config(path)
+    if cfg is None:
+        return checks
+    out = output_dir or cfg.output_dir or default_output_dir()
+    return checks + run_checks(cfg, out, written_ids, defaulted)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="eyas doctor", description="Check a run config, its target and this "
+                                     "machine before the run starts, without loading weights.")
+    parser.add_argument("config", help="the run's TOML file")
+    parser.add_argument("--json", action="store_true", help="print the checks as JSON")
+    args = parser.parse_args(argv)
+    t0 = time.monotonic()
+    _quiet()
+    checks = diagnose(args.config)
+    if args.json:
+        print(doctor_check.dumps(checks, config=os.path.abspath(args.config),
+                                 seconds=round(time.monotonic() - t0, 3)))
+    else:
+        print(f"eyas doctor {args.config}")
+        for line in doctor_check.table(checks):
+            print(line)
+    sys.stdout.flush()
+    return doctor_check.exit_code(checks)
+
+
+def _quiet() -> None:
+    """The libraries the checks import log and warn on import (vLLM's platform banner,
+    transformers' advice); the report is the doctor's only output."""
+    import logging
+    import warnings
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore")
+    logging.getLogger().setLevel(logging.ERROR)
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip the interpreter's teardown: with torch and vLLM imported it takes seconds (their
+    # atexit hooks and module finalizers) and the report is already out.
+    os._exit(code)
