@@ -2,7 +2,8 @@
 
 It starts a daemon for the demo's own state directory when none runs, builds the tiny test
 assets (a DeepSeek-V3-shaped target and synthetic chats) in a child process, submits the
-whole pipeline (prepare -> extract -> vocab -> train, 2 ranks, transformers backend) with
+whole pipeline (prepare -> extract -> vocab -> train on 2 ranks with the transformers backend,
+then evaluate: the trained draft's acceptance in vLLM's CPU build beside an untrained one) with
 workers/examples/demo.toml as its config, shows live progress and ends with a summary table
 and the command that opens the TUI on the run. Ctrl-C cancels the run and stops the daemon
 it started: nothing is left running.
@@ -102,7 +103,7 @@ def _run_demo(home: Path, console) -> int:
         except DaemonError as exc:
             console.print(f"[red]{exc.message}[/red]")
             return 1
-    console.print(f"run {run_id} submitted: prepare -> extract -> vocab -> train, 2 ranks on CPU")
+    console.print(f"run {run_id} submitted: {' -> '.join(_pipeline(config))}, on CPU")
     try:
         code = follow(run_id, console)
     except KeyboardInterrupt:
@@ -118,6 +119,14 @@ def _run_demo(home: Path, console) -> int:
     console.print(f"or:                  [bold]eyas --home {home} show {run_id}[/bold]   ·   "
                   f"[bold]eyas --home {home} logs {run_id} --stage train[/bold]")
     return code
+
+
+def _pipeline(config: Path) -> list[str]:
+    """The stages the daemon will run for `config` (its own validation; the CLI has no torch)."""
+    try:
+        return list(run_config.load(config).pipeline)
+    except run_config.ConfigError:
+        return ["?"]
 
 
 def _wait_ended(run_id: int, timeout: float = 60) -> None:

@@ -64,7 +64,11 @@ def follow(run_id: int, console=None) -> int:
                                              "acc": latest.get("acc_0")}
                     if "val_loss" in latest:
                         shown[d["stage"]] = {**shown.get(d["stage"], {}), "val": latest["val_loss"]}
-                    for key, label in (("loss", "loss {:.4f}"), ("acc", "acc₀ {:.2f}"), ("val", "val {:.4f}")):
+                    for key in ("accept_len", "baseline_accept_len"):
+                        if key in latest:
+                            shown[d["stage"]] = {**shown.get(d["stage"], {}), key: latest[key]}
+                    for key, label in (("loss", "loss {:.4f}"), ("acc", "acc₀ {:.2f}"), ("val", "val {:.4f}"),
+                                       ("accept_len", "accept {:.2f}"), ("baseline_accept_len", "untrained {:.2f}")):
                         value = shown.get(d["stage"], {}).get(key)
                         if value is not None:
                             bits.append(label.format(value))
@@ -126,4 +130,10 @@ def result(stage: str, s: dict | None) -> str:
         accs = "/".join(_num(s[f"val_acc_{k}"], ".2f") for k in range(16) if f"val_acc_{k}" in s)
         return (f"loss {_num(s.get('loss'), '.4f')}, val {_num(s.get('val_loss'), '.4f')} "
                 f"(from {_num(s.get('val_loss_initial'), '.4f')}), val acc {accs}")
+    if stage == "evaluate" and "acceptance_length" in s:
+        rates = "/".join(_num(r, ".2f") for r in s.get("per_position") or [])
+        base = _num(s.get("baseline_acceptance_length"), ".2f")
+        return (f"accept {_num(s['acceptance_length'], '.2f')} (untrained {base}), per position {rates}, "
+                f"{_num(s.get('draft_tok_s'), ',.0f')} tok/s with the draft, {_num(s.get('target_tok_s'), ',.0f')} "
+                f"without, {'lossless' if s.get('lossless') else 'NOT lossless'}")
     return ""

@@ -30,6 +30,8 @@ RUN_COLUMNS = [
     out.Column("duration", out.duration, right=True),
     out.Column("peak_gpu_mem", out.size, right=True),
     out.Column("tok_s", out.count, right=True),
+    # The trained draft's mean acceptance length in vLLM (the evaluate stage), blank without one.
+    out.Column("accept", lambda v: "" if v is None else f"{v:.2f}", right=True),
 ]
 
 STAGE_COLUMNS = [
@@ -82,12 +84,30 @@ def runs(args) -> int:
     rows = []
     if db is not None:
         rows = queries.list_runs(db, state=args.state, since=since, limit=args.limit, match=args.match)
+        accept = acceptance_lengths(db, [r["id"] for r in rows])
+        for r in rows:
+            r["accept"] = accept.get(r["id"])
     out.emit(rows, RUN_COLUMNS, args.fmt)
     if not rows and args.fmt in (None, "table"):
         filtered = args.state or args.since or args.match
         print("eyas runs: " + ("no runs match" if db is not None and filtered else "no runs yet"),
               file=sys.stderr)
     return 0
+
+
+def acceptance_lengths(db, run_ids: list[int]) -> dict[int, float]:
+    """{run id: the trained draft's mean acceptance length} from the evaluate stages' stored
+    summaries (json_extract, so no roll-up column is needed), one index probe per run on
+    stages(run_id, name), in chunks that stay under SQLite's parameter limit."""
+    found: dict[int, float] = {}
+    for i in range(0, len(run_ids), 500):
+        chunk = run_ids[i:i + 500]
+        sql = ("SELECT run_id, json_extract(summary_json, '$.acceptance_length') FROM stages "
+               f"WHERE name = 'evaluate' AND run_id IN ({','.join('?' * len(chunk))})")
+        for run_id, value in db.execute(sql, chunk):
+            if isinstance(value, (int, float)):
+                found[run_id] = float(value)
+    return found
 
 
 def _load(run_id: int):
@@ -169,6 +189,7 @@ def show_lines(run: dict) -> list[str]:
                     failures.append("    " + tb_lines[-1])
     if failures:
         lines += ["", "failures:"] + failures
+    lines += evaluate_lines(run)
 
     cells = []
     for s in run["stages"]:
@@ -186,6 +207,41 @@ def show_lines(run: dict) -> list[str]:
     outputs = _outputs(run)
     if outputs:
         lines += ["", "outputs:"] + [f"  {p}" for p in outputs]
+    return lines
+
+
+def _rates(values) -> str:
+    return "/".join(f"{v:.2f}" for v in values) if isinstance(values, list) else ""
+
+
+def _num(value, fmt: str) -> str:
+    return format(value, fmt) if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
+
+
+def evaluate_lines(run: dict) -> list[str]:
+    """The evaluate stage's figures: the trained draft beside its untrained baseline and the
+    target alone; nothing when the run has no evaluate summary."""
+    stage = next((s for s in run["stages"] if s["name"] == "evaluate"), None)
+    s = stage.get("summary") if stage else None
+    if not isinstance(s, dict) or "acceptance_length" not in s:
+        return []
+    head = (f"evaluate (k={s.get('num_speculative_tokens')}, {s.get('prompts')} prompts from the "
+            f"{s.get('prompt_source')}, up to {s.get('max_tokens')} tokens, vLLM {s.get('vllm_version')} "
+            f"on {s.get('device')}, tensor parallel {s.get('tensor_parallel_size')}):")
+    cells = [
+        ["trained", _num(s["acceptance_length"], ".3f"), _num(s.get("acceptance_rate"), ".1%"),
+         _rates(s.get("per_position")), _num(s.get("draft_tok_s"), ",.0f")],
+        ["untrained", _num(s.get("baseline_acceptance_length"), ".3f"), _num(s.get("baseline_acceptance_rate"), ".1%"),
+         _rates(s.get("baseline_per_position")), _num(s.get("baseline_tok_s"), ",.0f")],
+        ["no draft", "", "", "", _num(s.get("target_tok_s"), ",.0f")],
+    ]
+    lines = ["", head]
+    lines += out.plain_table(["draft", "accept len", "accept rate", "per position", "tok/s"], cells,
+                             [False, True, True, False, True], indent="  ")
+    differ = s.get("mismatched_prompts") or 0
+    lines.append(f"  speedup x{_num(s.get('speedup'), '.2f')}; lossless: "
+                 + ("yes" if s.get("lossless") else f"NO, {differ} outputs differ from the target's")
+                 + f" (greedy outputs with each draft vs without)")
     return lines
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from eyas.workers import config
 from eyas.workers.config import (
-    ConfigError, DataConfig, DraftConfig, ExtractConfig, ResourcesConfig, RunConfig, StageConfig,
+    ConfigError, DataConfig, DraftConfig, EvaluateConfig, ExtractConfig, ResourcesConfig, RunConfig, StageConfig,
     TargetConfig, TrainConfig, default_layer_ids, load, num_hidden_layers, stage_settings,
     stage_world_size,
 )
@@ -129,7 +129,7 @@ def test_full_config_loads_every_key_and_round_trips(run_dir):
     assert cfg == RunConfig(
         name="full.run-1",
         output_dir=str(run_dir / "out" / "full"),
-        pipeline=("prepare", "extract", "train"),
+        pipeline=("preflight", "prepare", "extract", "train"),   # preflight: put first by validation
         target=TargetConfig(path=str(run_dir / "model"), dtype="float16", trust_remote_code=True),
         data=DataConfig(path=str(run_dir / "chat.jsonl"), format="sharegpt", max_length=512, limit=100,
                         validation_fraction=0.1),
@@ -138,6 +138,7 @@ def test_full_config_loads_every_key_and_round_trips(run_dir):
         draft=DraftConfig(vocab_size=500, num_layers=2, ttt_steps=5),
         train=TrainConfig(epochs=1, lr=3e-4, batch_tokens=4096, warmup_steps=10, weight_decay=0.01,
                           grad_clip=0.5, noise_std=0.05, seed=7, strategy="fsdp"),
+        evaluate=EvaluateConfig(tensor_parallel_size=2),    # extract's, when [evaluate] names none
         stages={"extract": StageConfig(max_restarts=2, backoff=0.5, ranks=1),
                 "train": StageConfig(options={"note": "x", "n": [1, 2]})},
     )
@@ -148,7 +149,7 @@ def test_full_config_loads_every_key_and_round_trips(run_dir):
     assert d["target"]["path"] == str(run_dir / "model")
     assert RunConfig.from_dict(json.loads(json.dumps(d))) == cfg
 
-    assert [stage_world_size(cfg, s) for s in cfg.pipeline] == [1, 1, 4]
+    assert [stage_world_size(cfg, s) for s in cfg.pipeline] == [1, 1, 1, 4]
     assert stage_settings(cfg, "extract") == (2, 0.5, {})
     assert stage_settings(cfg, "train") == (0, 2.0, {"note": "x", "n": [1, 2]})
     assert stage_settings(cfg, "prepare") == (0, 2.0, {})
@@ -160,7 +161,7 @@ def test_minimal_config_gets_the_defaults(big_run_dir):
     assert cfg == RunConfig(
         name="t",
         output_dir=None,
-        pipeline=DEFAULT_PIPELINE,
+        pipeline=("preflight", *DEFAULT_PIPELINE),
         target=TargetConfig(path=str(run_dir / "model"), dtype="bfloat16", trust_remote_code=False),
         data=DataConfig(path=str(run_dir / "chat.jsonl"), format="auto", max_length=2048, limit=0,
                         validation_fraction=0.05),
@@ -169,6 +170,8 @@ def test_minimal_config_gets_the_defaults(big_run_dir):
         draft=DraftConfig(vocab_size=32000, num_layers=1, ttt_steps=3),
         train=TrainConfig(epochs=3, lr=1e-4, batch_tokens=8192, warmup_steps=0, weight_decay=0.0,
                           grad_clip=1.0, noise_std=0.0, seed=0, strategy="ddp"),
+        evaluate=EvaluateConfig(num_speculative_tokens=3, max_tokens=128, max_prompts=128, prompts=None,
+                                batch_size=16, tensor_parallel_size=1),
         stages={},
     )
 
@@ -234,7 +237,7 @@ max_restart = 1
     assert errors(text) == [
         "run.toml: pipline: unknown key; did you mean 'pipeline'?",
         "run.toml: colour: unknown key; valid keys: name, output_dir, pipeline, target, data, extract, "
-        "resources, draft, train, stages",
+        "resources, draft, train, evaluate, stages, preflight",
         "run.toml: target.dtyp: unknown key; did you mean 'target.dtype'?",
         "run.toml: train.epoch: unknown key; did you mean 'train.epochs'?",
         "run.toml: stages.train.max_restart: unknown key; did you mean 'stages.train.max_restarts'?",
@@ -401,7 +404,8 @@ options = 3
         'run.toml: pipeline: empty; list at least one stage, e.g. ["prepare", "extract", "vocab", "train", "evaluate"]',
     ]
     assert errors('name = "x"\npipeline = ["nonsense"]\n') == [
-        "run.toml: pipeline: unknown stage 'nonsense'; choose from prepare, extract, vocab, train, evaluate, selftest",
+        "run.toml: pipeline: unknown stage 'nonsense'; choose from preflight, prepare, extract, vocab, train, "
+        "evaluate, selftest",
     ]
 
 
@@ -492,7 +496,7 @@ def test_kimi_example_is_valid_against_a_fake_target(tmp_path):
                                         batch_size=16)
     assert cfg.resources == ResourcesConfig(ranks=8, devices=(0, 1, 2, 3, 4, 5, 6, 7))
     assert cfg.draft.vocab_size == 32000
-    assert [stage_world_size(cfg, s) for s in cfg.pipeline] == [1, 1, 1, 8, 1]
+    assert [stage_world_size(cfg, s) for s in cfg.pipeline] == [1, 1, 1, 1, 8, 1]
 
 
 def test_eyas_validate_reports_every_mistake_and_exits_2(tmp_path):
@@ -519,12 +523,12 @@ def test_eyas_validate_accepts_the_demo_example(tmp_path):
     assert proc.stdout.splitlines() == [
         "demo.toml: valid",
         "  name       demo",
-        "  pipeline   prepare -> extract -> vocab -> train",
+        "  pipeline   preflight -> prepare -> extract -> vocab -> train -> evaluate",
         f"  target     {tmp_path}/tiny (4 layers, float32)",
         f"  data       {tmp_path}/chat.jsonl (auto, max_length 256)",
         "  extract    hf, tensor parallel 1, batch 4",
         "  layer ids  1 (entering layer 1), 2 (entering layer 2), 4 (final pre-norm output)",
-        "  ranks      prepare 1, extract 2, vocab 1, train 2",
+        "  ranks      preflight 1, prepare 1, extract 2, vocab 1, train 2, evaluate 1",
         "  devices    cpu",
         "  output     chosen by the daemon (<state>/runs/<id>/out)",
     ]

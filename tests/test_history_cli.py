@@ -36,19 +36,30 @@ OOM_TB = (
 )
 
 
+# What the evaluate stage writes (workers/stages/evaluate.py), abridged.
+EVALUATE = {
+    "outputs": ["/data/out/1/evaluate/results.json"], "num_speculative_tokens": 3, "prompts": 64,
+    "prompt_source": "validation split", "max_tokens": 256, "vllm_version": "0.33.0", "device": "cuda",
+    "tensor_parallel_size": 1, "acceptance_length": 2.4567, "acceptance_rate": 0.4856,
+    "per_position": [0.71, 0.46, 0.2867], "baseline_acceptance_length": 1.0123, "baseline_acceptance_rate": 0.0041,
+    "baseline_per_position": [0.0101, 0.0022, 0.0], "target_tok_s": 4012.25, "draft_tok_s": 7388.5,
+    "baseline_tok_s": 3320.0, "speedup": 1.8415, "lossless": True, "mismatched_prompts": 0,
+}
+
+
 def build(home: Path, now: float) -> dict:
     """Five runs, one in every run state; the terminal ones at fixed times, the live ones
     relative to `now` (so that --since and the running run's duration are testable)."""
     db = store.open_writer(paths.db_path(home))
     rid = {}
 
-    # 1: succeeded, two stages, roll-ups set as the daemon will.
+    # 1: succeeded, three stages, roll-ups set as the daemon will, an evaluate summary.
     r = rid["succeeded"] = store.create_run(
         db, name="llama-eagle", model="meta-llama/Llama-3.1-8B",
-        stages=[{"name": "prepare"}, {"name": "train"}], output_dir="/data/out/1", now=T1)
+        stages=[{"name": "prepare"}, {"name": "train"}, {"name": "evaluate"}], output_dir="/data/out/1", now=T1)
     store.move_run(db, r, "running", "started", now=T1 + 60)
     t = T1 + 60
-    for name, took in (("prepare", 600), ("train", 3125)):
+    for name, took in (("prepare", 600), ("train", 2885), ("evaluate", 240)):
         store.move_stage(db, r, name, "running", "started", now=t)
         a, _ = store.new_attempt(db, r, name, dir=str(paths.attempt_dir(r, name, 1, home)), world_size=1, now=t)
         store.upsert_rank(db, a, 0, pid=1000, state="exited", exit_code=0)
@@ -57,6 +68,7 @@ def build(home: Path, now: float) -> dict:
         t += took
     db["stages"].update(store.stage_row(db, r, "train")["id"],
                         {"summary_json": json.dumps({"outputs": {"draft": "/data/out/1/train/draft"}})})
+    db["stages"].update(store.stage_row(db, r, "evaluate")["id"], {"summary_json": json.dumps(EVALUATE)})
     store.move_run(db, r, "succeeded", "all stages succeeded", now=t)
     db["runs"].update(r, {"peak_gpu_mem": PEAK, "tok_s": 1234.4})
 
@@ -153,18 +165,18 @@ def utc_iso(t: float) -> str:
 
 
 HEADER = [
-    "id  name           model                    state      stage    started           duration  peak_gpu_mem  tok_s",
-    "--  -------------  -----------------------  ---------  -------  ----------------  --------  ------------  -----",
+    "id  name           model                    state      stage     started           duration  peak_gpu_mem  tok_s  accept",
+    "--  -------------  -----------------------  ---------  --------  ----------------  --------  ------------  -----  ------",
 ]
 
 
 def table_rows(now: float) -> dict[int, str]:
     return {
-        5: f" 5  pending-one    m                        pending             {utc_minute(now - 60)}",
-        4: f" 4  running-one    m                        running    train    {utc_minute(now - 7205)}     2h00m       2.0 GiB     10",
-        3: " 3  cancelled_one  m                        cancelled  prepare  2025-12-01 18:00       12s",
-        2: " 2  qwen-draft     Qwen/Qwen3-8B            failed     extract  2025-12-01 12:00     3m05s                   57",
-        1: " 1  llama-eagle    meta-llama/Llama-3.1-8B  succeeded  train    2025-11-30 09:01     1h02m      12.3 GiB  1,234",
+        5: f" 5  pending-one    m                        pending              {utc_minute(now - 60)}",
+        4: f" 4  running-one    m                        running    train     {utc_minute(now - 7205)}     2h00m       2.0 GiB     10",
+        3: " 3  cancelled_one  m                        cancelled  prepare   2025-12-01 18:00       12s",
+        2: " 2  qwen-draft     Qwen/Qwen3-8B            failed     extract   2025-12-01 12:00     3m05s                   57",
+        1: " 1  llama-eagle    meta-llama/Llama-3.1-8B  succeeded  evaluate  2025-11-30 09:01     1h02m      12.3 GiB  1,234    2.46",
     }
 
 
@@ -185,33 +197,35 @@ def test_runs_json_csv_nl_raw_values(home, eyas_cli):
     assert [r["id"] for r in data] == [5, 4, 3, 2, 1]
     assert data[4] == {
         "id": 1, "name": "llama-eagle", "model": "meta-llama/Llama-3.1-8B", "state": "succeeded",
-        "stage": "train", "started": "2025-11-30T09:01:00+00:00", "duration": 3725.0,
-        "peak_gpu_mem": 13207024435.0, "tok_s": 1234.4,
+        "stage": "evaluate", "started": "2025-11-30T09:01:00+00:00", "duration": 3725.0,
+        "peak_gpu_mem": 13207024435.0, "tok_s": 1234.4, "accept": 2.4567,
     }
     assert data[3] == {
         "id": 2, "name": "qwen-draft", "model": "Qwen/Qwen3-8B", "state": "failed", "stage": "extract",
         "started": "2025-12-01T12:00:10+00:00", "duration": 185.0, "peak_gpu_mem": None, "tok_s": 56.7,
+        "accept": None,
     }
     assert data[0] == {
         "id": 5, "name": "pending-one", "model": "m", "state": "pending", "stage": None,
-        "started": utc_iso(now - 60), "duration": None, "peak_gpu_mem": None, "tok_s": None,
+        "started": utc_iso(now - 60), "duration": None, "peak_gpu_mem": None, "tok_s": None, "accept": None,
     }
     running = data[1]
     assert abs(running.pop("duration") - 7205) < 60
     assert running == {"id": 4, "name": "running-one", "model": "m", "state": "running", "stage": "train",
-                       "started": utc_iso(now - 7205), "peak_gpu_mem": 2.0 * GiB, "tok_s": 10.0}
+                       "started": utc_iso(now - 7205), "peak_gpu_mem": 2.0 * GiB, "tok_s": 10.0, "accept": None}
 
     p = eyas_cli(h, "runs", "--csv", "--state", "failed")
     assert p.stdout == (
-        "id,name,model,state,stage,started,duration,peak_gpu_mem,tok_s\n"
-        "2,qwen-draft,Qwen/Qwen3-8B,failed,extract,2025-12-01T12:00:10+00:00,185.0,,56.7\n"
+        "id,name,model,state,stage,started,duration,peak_gpu_mem,tok_s,accept\n"
+        "2,qwen-draft,Qwen/Qwen3-8B,failed,extract,2025-12-01T12:00:10+00:00,185.0,,56.7,\n"
     )
     assert list(csv.DictReader(io.StringIO(eyas_cli(h, "runs", "--csv").stdout)))[4]["peak_gpu_mem"] == "13207024435.0"
 
     p = eyas_cli(h, "runs", "--nl", "--state", "cancelled")
     assert p.stdout == (
         '{"id": 3, "name": "cancelled_one", "model": "m", "state": "cancelled", "stage": "prepare", '
-        '"started": "2025-12-01T18:00:05+00:00", "duration": 12.0, "peak_gpu_mem": null, "tok_s": null}\n'
+        '"started": "2025-12-01T18:00:05+00:00", "duration": 12.0, "peak_gpu_mem": null, "tok_s": null, '
+        '"accept": null}\n'
     )
 
 
@@ -247,8 +261,8 @@ def test_runs_selection_table_says_no_match(home, eyas_cli):
     h, _ = home
     p = eyas_cli(h, "runs", "nothing-like-this")
     assert (p.returncode, p.stdout.splitlines(), p.stderr) == (
-        0, ["id  name  model  state  stage  started  duration  peak_gpu_mem  tok_s",
-            "--  ----  -----  -----  -----  -------  --------  ------------  -----"],
+        0, ["id  name  model  state  stage  started  duration  peak_gpu_mem  tok_s  accept",
+            "--  ----  -----  -----  -----  -------  --------  ------------  -----  ------"],
         "eyas runs: no runs match\n")
 
 
@@ -270,10 +284,10 @@ def test_runs_bad_input(home, eyas_cli, args, message):
 def test_no_database_yet(tmp_path, eyas_cli):
     p = eyas_cli(tmp_path, "runs")
     assert (p.returncode, p.stderr) == (0, "eyas runs: no runs yet\n")
-    assert p.stdout.splitlines()[0] == "id  name  model  state  stage  started  duration  peak_gpu_mem  tok_s"
+    assert p.stdout.splitlines()[0] == "id  name  model  state  stage  started  duration  peak_gpu_mem  tok_s  accept"
     assert len(p.stdout.splitlines()) == 2
     for fmt, expected in (("--json", "[]\n"), ("--nl", ""),
-                          ("--csv", "id,name,model,state,stage,started,duration,peak_gpu_mem,tok_s\n")):
+                          ("--csv", "id,name,model,state,stage,started,duration,peak_gpu_mem,tok_s,accept\n")):
         p = eyas_cli(tmp_path, "runs", fmt)
         assert (p.returncode, p.stdout, p.stderr) == (0, expected, "")
     for cmd in ("show", "errors", "logs"):
@@ -336,14 +350,31 @@ def test_show_succeeded_outputs_and_missing_config(home, eyas_cli):
         "run 1: llama-eagle",
         "  model:      meta-llama/Llama-3.1-8B",
         "  state:      succeeded (all stages succeeded)",
-        "  stage:      train",
+        "  stage:      evaluate",
         "  config:",
         "  output dir: /data/out/1",
         "  started:    2025-11-30 09:01",
         "  duration:   1h02m",
     ]
     assert "failures:" not in out
-    assert out[-3:] == ["outputs:", "  /data/out/1", "  train draft: /data/out/1/train/draft"]
+    assert out[-4:] == ["outputs:", "  /data/out/1", "  train draft: /data/out/1/train/draft",
+                        "  evaluate: /data/out/1/evaluate/results.json"]
+    # The evaluate stage's figures, after the stages: the trained draft beside its untrained
+    # baseline and the target alone.
+    at = out.index("stages:")
+    assert out[at + 6:at + 15] == [
+        "",
+        "evaluate (k=3, 64 prompts from the validation split, up to 256 tokens, vLLM 0.33.0 on cuda, "
+        "tensor parallel 1):",
+        "  draft      accept len  accept rate  per position    tok/s",
+        "  ---------  ----------  -----------  --------------  -----",
+        "  trained         2.457        48.6%  0.71/0.46/0.29  7,388",
+        "  untrained       1.012         0.4%  0.01/0.00/0.00  3,320",
+        "  no draft                                            4,012",
+        "  speedup x1.84; lossless: yes (greedy outputs with each draft vs without)",
+        "",
+    ]
+    assert out[at + 15] == "ranks (latest attempt of each stage):"
 
 
 def test_show_json_is_get_run(home, eyas_cli):

@@ -1,7 +1,8 @@
 """The whole pipeline through a real daemon: prepare -> extract -> vocab -> train with 2 ranks
-on the tiny DeepseekV3 target, then a training rank SIGKILLed and the stage resumed from its
-checkpoint (FSDP this time). The trained draft reloads into speculators, and is offered to
-vLLM's CPU build as an EAGLE-3 speculator of its target."""
+on the tiny DeepseekV3 target, then evaluate (the trained draft as the target's EAGLE-3
+speculator in vLLM's CPU build, beside its untrained baseline), then a training rank SIGKILLed
+and the stage resumed from its checkpoint (FSDP this time). The trained draft reloads into
+speculators."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,13 +20,13 @@ import torch
 from daemon_harness import Daemon, short_tmp, wait_for
 from eyas.state import queries
 from eyas.workers import assets, checkpoint
-from train_pipeline import vllm_generate
 
-STAGES = ["prepare", "extract", "vocab", "train"]
+EYAS = str(Path(sys.executable).with_name("eyas"))
+STAGES = ["prepare", "extract", "vocab", "train", "evaluate"]
 
 PIPELINE = """\
 name = "e2e"
-pipeline = ["prepare", "extract", "vocab", "train"]
+pipeline = ["prepare", "extract", "vocab", "train", "evaluate"]
 [target]
 path = "{target}"
 dtype = "float32"
@@ -43,6 +46,8 @@ vocab_size = 256
 epochs = 2
 lr = 1e-3
 batch_tokens = 512
+[evaluate]
+max_tokens = 32
 """
 
 TRAIN_ONLY = """\
@@ -105,7 +110,9 @@ def test_the_whole_pipeline_runs_on_two_ranks(daemon, pipeline):
     run_id, run, made = pipeline
     assert run["state"] == "succeeded", json.dumps(run, default=str)[:3000]
     stages = {s["name"]: s for s in run["stages"]}
-    assert list(stages) == STAGES
+    # Validation puts eyas doctor's preflight checks first (workers/config.py).
+    assert list(stages) in (STAGES, ["preflight", *STAGES])
+    stages.pop("preflight", None)
     for name, s in stages.items():
         assert (s["state"], s["attempts"], s["restarts"]) == ("succeeded", 1, 0), name
         (attempt,) = s["attempt_list"]
@@ -152,17 +159,43 @@ def test_the_trained_draft_reloads_into_speculators(pipeline):
     assert model.config.speculators_config.verifier.name_or_path == str(made["tiny-deepseek"])
 
 
-def test_the_trained_draft_loads_into_vllm_as_an_eagle3_speculator(pipeline):
-    _, run, made = pipeline
-    ckpt = {s["name"]: s for s in run["stages"]}["train"]["summary"]["checkpoint"]
-    # On CPU the MLA target runs with VLLM_MLA_DISABLE=1 (eyas.workers.vllm_settings says why).
-    rc, result, out = vllm_generate(made["tiny-deepseek"], Path(ckpt))
-    assert rc == 0 and result is not None, out[-4000:]
-    assert "Loading drafter model" in out
-    assert [len(ids) for ids in result["token_ids"]] == [24, 24]
-    m = result["metrics"]
-    assert m["vllm:spec_decode_num_drafts"] > 0
-    assert m["vllm:spec_decode_num_draft_tokens"] == 3 * m["vllm:spec_decode_num_drafts"]
+def test_evaluate_measures_the_trained_draft_in_vllm_and_records_it(daemon, pipeline):
+    run_id, run, made = pipeline
+    stages = {s["name"]: s for s in run["stages"]}
+    ev, tr = stages["evaluate"]["summary"], stages["train"]["summary"]
+    out = Path(run["output_dir"])
+    # The train stage's draft, as the target's EAGLE-3 speculator in vLLM's CPU build, beside the
+    # untrained draft training started from; 12 validation prompts, greedy, k = 3.
+    assert (ev["draft"], ev["baseline_draft"]) == (tr["checkpoint"], str(out / "evaluate" / "baseline-draft"))
+    assert (ev["prompts"], ev["prompt_source"], ev["num_speculative_tokens"], ev["max_tokens"]) == \
+        (12, "validation split", 3, 32)
+    assert (ev["device"], ev["tensor_parallel_size"], ev["vllm_version"]) == ("cpu", 1, "0.32.0")
+    assert (ev["lossless"], ev["mismatched_prompts"]) == (True, 0)
+    assert ev["trained"]["drafts"] > 0 and ev["trained"]["draft_tokens"] == 3 * ev["trained"]["drafts"]
+    assert ev["acceptance_length"] == pytest.approx(1 + ev["trained"]["accepted_tokens"] / ev["trained"]["drafts"])
+    assert len(ev["per_position"]) == len(ev["baseline_per_position"]) == 3
+    assert ev["target_tok_s"] > 0 and ev["draft_tok_s"] > 0 and ev["baseline_tok_s"] > 0
+    results = json.loads((out / "evaluate" / "results.json").read_text())
+    assert results["outputs_by_engine"]["trained"] == results["outputs_by_engine"]["target"]
+
+    # The figures went through the progress file into SQLite's metrics.
+    for name, value in (("accept_len", ev["acceptance_length"]),
+                        ("baseline_accept_len", ev["baseline_acceptance_length"]), ("accept_pos_0", ev["per_position"][0]), ("target_tok_s", ev["target_tok_s"]),
+                        ("draft_tok_s", ev["draft_tok_s"]), ("baseline_tok_s", ev["baseline_tok_s"]),
+                        ("lossless", 1.0), ("mismatched_prompts", 0.0)):
+        assert _metric(daemon, run_id, "evaluate", 1, name) == [pytest.approx(value)], name
+
+    # The engines' output is in the rank's log (vLLM loaded the draft as a drafter).
+    log = (Path(stages["evaluate"]["attempt_list"][0]["dir"]) / "rank-0.log").read_text()
+    assert "Loading drafter model" in log and "eyas evaluate [trained]: 12 prompts" in log
+
+    # And it reaches the history: `eyas runs` and `eyas show`.
+    env = {**os.environ, "EYAS_HOME": str(daemon.home)}
+    listed = json.loads(subprocess.run([EYAS, "runs", "--json"], env=env, capture_output=True, text=True,
+                                       check=True).stdout)
+    assert [r["accept"] for r in listed if r["id"] == run_id] == [pytest.approx(ev["acceptance_length"])]
+    shown = subprocess.run([EYAS, "show", str(run_id)], env=env, capture_output=True, text=True, check=True).stdout
+    assert f"  trained    {ev['acceptance_length']:10.3f}" in shown and "lossless: yes" in shown
 
 
 def test_a_sigkilled_training_rank_resumes_from_the_checkpoint(daemon, pipeline):
@@ -181,7 +214,8 @@ def test_a_sigkilled_training_rank_resumes_from_the_checkpoint(daemon, pipeline)
 
     final = daemon.wait_run(run_id, timeout=600)
     assert final["state"] == "succeeded", json.dumps(final, default=str)[:3000]
-    (stage,) = final["stages"]
+    assert [s["name"] for s in final["stages"]] in (["train"], ["preflight", "train"])   # preflight: added
+    stage = final["stages"][-1]
     assert (stage["attempts"], stage["restarts"]) == (2, 1)
     first, second = stage["attempt_list"]
     assert first["state"] == "failed" and second["state"] == "succeeded"

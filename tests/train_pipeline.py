@@ -29,14 +29,14 @@ dtype = "float32"
 path = "{data}"
 max_length = 128
 limit = {rows}
-validation_fraction = 0.2
+validation_fraction = {validation_fraction}
 [extract]
 batch_size = 8
 [resources]
 ranks = 1
 devices = "cpu"
 [draft]
-vocab_size = 256
+vocab_size = {draft_vocab}
 ttt_steps = 3
 [train]
 epochs = 2
@@ -46,11 +46,13 @@ seed = 0
 """
 
 
-def config(root: Path, target: Path, data: Path, rows: int = 40, **train) -> dict:
+def config(root: Path, target: Path, data: Path, rows: int = 40, draft_vocab: int = 256,
+           validation_fraction: float = 0.2, **train) -> dict:
     """The run config, checked and resolved by eyas' own loader (defaults filled in)."""
     from eyas.workers.config import load
 
-    text = TOML.format(target=target, data=data, rows=rows)
+    text = TOML.format(target=target, data=data, rows=rows, draft_vocab=draft_vocab,
+                       validation_fraction=validation_fraction)
     path = root / f"run-{time.monotonic_ns()}.toml"
     path.write_text(text)
     cfg = load(path).to_dict()
@@ -83,14 +85,15 @@ def run_stage(module, stage: str, out: Path, cfg: dict, **kw):
     return ctx
 
 
-def build_inputs(root: Path, family: str = "deepseek_v3", rows: int = 40) -> tuple[Path, dict]:
-    """A tiny target, chats, and the prepare/extract/vocab outputs under root/base; (out, cfg)."""
+def build_inputs(root: Path, family: str = "deepseek_v3", rows: int = 40, **kw) -> tuple[Path, dict]:
+    """A tiny target, chats, and the prepare/extract/vocab outputs under root/base; (out, cfg).
+    `kw`: config()'s draft_vocab and validation_fraction."""
     from eyas.workers import assets
     from eyas.workers.stages import extract, prepare, vocab
 
     target = assets.build_model(root / f"tiny-{family}", family)
     data = assets.write_dataset(root / "chat.jsonl", n=rows + 10)
-    cfg = config(root, target, data, rows=rows)
+    cfg = config(root, target, data, rows=rows, **kw)
     out = root / "base"
     for name, module in (("prepare", prepare), ("extract", extract), ("vocab", vocab)):
         run_stage(module, name, out, cfg)

