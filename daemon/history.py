@@ -84,7 +84,7 @@ def runs(args) -> int:
     rows = []
     if db is not None:
         rows = queries.list_runs(db, state=args.state, since=since, limit=args.limit, match=args.match)
-        accept = acceptance_lengths(db, [r["id"] for r in rows])
+        accept = queries.acceptance_lengths(db, [r["id"] for r in rows])
         for r in rows:
             r["accept"] = accept.get(r["id"])
     out.emit(rows, RUN_COLUMNS, args.fmt)
@@ -93,21 +93,6 @@ def runs(args) -> int:
         print("eyas runs: " + ("no runs match" if db is not None and filtered else "no runs yet"),
               file=sys.stderr)
     return 0
-
-
-def acceptance_lengths(db, run_ids: list[int]) -> dict[int, float]:
-    """{run id: the trained draft's mean acceptance length} from the evaluate stages' stored
-    summaries (json_extract, so no roll-up column is needed), one index probe per run on
-    stages(run_id, name), in chunks that stay under SQLite's parameter limit."""
-    found: dict[int, float] = {}
-    for i in range(0, len(run_ids), 500):
-        chunk = run_ids[i:i + 500]
-        sql = ("SELECT run_id, json_extract(summary_json, '$.acceptance_length') FROM stages "
-               f"WHERE name = 'evaluate' AND run_id IN ({','.join('?' * len(chunk))})")
-        for run_id, value in db.execute(sql, chunk):
-            if isinstance(value, (int, float)):
-                found[run_id] = float(value)
-    return found
 
 
 def _load(run_id: int):

@@ -225,3 +225,18 @@ def gpu_memory(db, since: float) -> dict[int, dict[str, float]]:
         if index.isdigit() and field in ("mem_used", "mem_total"):
             found.setdefault(int(index), {})[field] = value
     return found
+
+
+def acceptance_lengths(db, run_ids: list[int]) -> dict[int, float]:
+    """{run id: the trained draft's mean acceptance length} from the evaluate stages' stored
+    summaries (json_extract, so no roll-up column is needed), one index probe per run on
+    stages(run_id, name), in chunks that stay under SQLite's parameter limit."""
+    found: dict[int, float] = {}
+    for i in range(0, len(run_ids), 500):
+        chunk = run_ids[i:i + 500]
+        sql = ("SELECT run_id, json_extract(summary_json, '$.acceptance_length') FROM stages "
+               f"WHERE name = 'evaluate' AND run_id IN ({','.join('?' * len(chunk))})")
+        for run_id, value in db.execute(sql, chunk):
+            if isinstance(value, (int, float)):
+                found[run_id] = float(value)
+    return found
