@@ -217,7 +217,7 @@ def measure_eyas(daemon, target: Path, inputs: Path, scratch: Path, world: int) 
     run = daemon.wait_run(run_id, timeout=900)
     if run["state"] != "succeeded":
         raise RuntimeError(f"eyas run {run_id} {run['state']}: {run['reason']}")
-    summary = run["stages"][0]["summary"]
+    summary = {s["name"]: s for s in run["stages"]}["train"]["summary"]
     shutil.rmtree(out / "train", ignore_errors=True)
     return {"tok_s": summary["tok_s"], "tok_per_cpu_s": summary["tok_per_cpu_s"], "steps": summary["steps"]}
 
