@@ -17,6 +17,7 @@ from eyas.workers import assets
 from eyas.workers.chat import MaskedRenderer, TemplateMismatch, load_tokenizer
 from eyas.workers.config import DataConfig, DraftConfig, RunConfig, TargetConfig, TrainConfig
 from eyas.workers.dataset_reader import SKIP_REASONS, DataError
+from eyas.workers.doctor_tokenizer import spans
 from eyas.workers.progress import ProgressWriter
 from eyas.workers.runtime import RankContext
 from eyas.workers.stages import prepare
@@ -100,18 +101,6 @@ def run_prepare(cfg: dict, out: Path, attempt: int = 1) -> dict:
 def rows_of(out: Path) -> list[tuple[list[int], list[int]]]:
     ds = datasets.load_from_disk(str(out / "prepare" / "dataset")).with_format(None)
     return list(zip(ds["input_ids"], ds["loss_mask"]))
-
-
-def spans(mask: list[int]) -> list[tuple[int, int]]:
-    """The [start, end) runs of 1s in a mask."""
-    out, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            out.append((start, i))
-            start = None
-    return out
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

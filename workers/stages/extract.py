@@ -140,6 +140,16 @@ class Stats:
     skipped_batches: int = 0    # batches whose files all existed
     seconds: float = 0.0        # wall time of the batch loop
 
+    def batch_done(self, b: int, n_batches: int, batch, missing, lengths, progress) -> None:
+        """Count a batch that ran (both backends), report it, and log every 20th."""
+        self.computed += len(batch)
+        self.samples += len(missing)
+        self.tokens += sum(lengths[i] for i in missing)
+        if progress is not None:
+            progress.update(samples=self.samples, tokens=self.tokens)
+        if b % 20 == 0 or b == n_batches - 1:
+            log.info("batch %d/%d: %d samples, %d tokens done", b + 1, n_batches, self.samples, self.tokens)
+
 
 @dataclass(frozen=True)
 class TargetInfo:
@@ -287,13 +297,7 @@ def run_vllm(engine, dataset, lengths, plan, hs_dir: Path, progress=None) -> tup
         report = engine.run(items)
         if report.get("samples") != sorted(batch):
             raise RuntimeError(f"TP rank 0 reported samples {report.get('samples')} for batch {sorted(batch)}")
-        stats.computed += len(batch)
-        stats.samples += len(missing)
-        stats.tokens += sum(lengths[i] for i in missing)
-        if progress is not None:
-            progress.update(samples=stats.samples, tokens=stats.tokens)
-        if b % 20 == 0 or b == len(plan) - 1:
-            log.info("batch %d/%d: %d samples, %d tokens done", b + 1, len(plan), stats.samples, stats.tokens)
+        stats.batch_done(b, len(plan), batch, missing, lengths, progress)
     fin = engine.finish()
     stats.written = int(fin.get("written", 0))
     stats.seconds = time.monotonic() - t0
@@ -384,14 +388,7 @@ def run(target, layer_ids, dataset, lengths, plan, hs_dir: Path, dtype: str, dev
                 _forward(target.decoder, capture, token_ids, pad_id, device, hidden)
                 job = _job(hidden, batch, token_ids, set(missing), device)
                 writer.put(job)
-                stats.computed += len(batch)
-                stats.samples += len(missing)
-                stats.tokens += sum(lengths[i] for i in missing)
-                if progress is not None:
-                    progress.update(samples=stats.samples, tokens=stats.tokens)
-                if b % 20 == 0 or b == len(plan) - 1:
-                    log.info("batch %d/%d: %d samples, %d tokens done", b + 1, len(plan), stats.samples,
-                             stats.tokens)
+                stats.batch_done(b, len(plan), batch, missing, lengths, progress)
     except BaseException:
         writer.abort()  # the loop's own error is the one to report
         raise
