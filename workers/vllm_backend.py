@@ -56,6 +56,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from eyas.workers.vllm_settings import is_mla, with_native_rotary
+
 log = logging.getLogger("eyas.vllm_backend")
 
 SUPPORTED = {"0.32": "the CPU build tested here", "0.33": "GPUs"}
@@ -146,12 +148,6 @@ def is_cpu_build() -> bool:
         return False
 
 
-def is_mla(model_cfg: dict) -> bool:
-    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): a kv_lora_rank in the (text) config."""
-    text = model_cfg.get("text_config") if isinstance(model_cfg.get("text_config"), dict) else {}
-    return bool(model_cfg.get("kv_lora_rank") or text.get("kv_lora_rank"))
-
-
 def config_warnings(model_cfg: dict) -> list[str]:
     """Where vLLM will read the target's config.json otherwise than transformers does: the
     states then differ between the backends (and from what transformers computes)."""
@@ -182,9 +178,7 @@ def engine_args(target_path: str, dtype: str, tp: int, trust_remote_code: bool, 
     }
     args.update(extra)
     if cpu_build and is_mla(model_cfg or {}):
-        compilation = dict(args.get("compilation_config") or {})
-        compilation["custom_ops"] = [*compilation.get("custom_ops", []), "-rotary_embedding"]
-        args["compilation_config"] = compilation
+        args = with_native_rotary(args)
     return args
 
 

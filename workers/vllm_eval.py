@@ -23,8 +23,9 @@ Counters (vllm.v1.metrics.reader through LLM.get_metrics()): vllm:spec_decode_nu
 vllm:spec_decode_num_draft_tokens, vllm:spec_decode_num_accepted_tokens (Counter) and
 vllm:spec_decode_num_accepted_tokens_per_pos (Vector, one value per draft position). They are
 read before and after the timed run and subtracted, so the warm-up does not count. Checked
-against vLLM 0.32 (installed) and the newest vllm/v1/spec_decode/metrics.py of the stored
-source index (no 0.33 tree is stored; the names are the same in every version stored there).
+against vLLM 0.32 (installed) and the vllm 0.33.0 wheel: its v1/spec_decode/metrics.py and
+v1/metrics/reader.py are byte-identical to 0.32's, and LLM.get_metrics() still needs
+disable_log_stats=False.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.workers import atomic
+from eyas.workers.vllm_settings import with_native_rotary
 
 COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
@@ -109,9 +111,7 @@ def engine_args(spec: Spec) -> dict[str, Any]:
                                       "num_speculative_tokens": spec.num_speculative_tokens}
     args.update(spec.engine_options)
     if spec.cpu_mla:
-        compilation = dict(args.get("compilation_config") or {})
-        compilation["custom_ops"] = [*compilation.get("custom_ops", []), "-rotary_embedding"]
-        args["compilation_config"] = compilation
+        args = with_native_rotary(args)
     return args
 
 

@@ -19,7 +19,9 @@ Engine settings (the code path is the same on CPU and GPU; only these differ):
 - dtype: target.dtype; enforce_eager on vLLM's CPU build only (GPUs keep CUDA graphs, which
   is how the draft will serve);
 - on the CPU build: VLLM_CPU_KVCACHE_SPACE=1 (GiB, unless set), VLLM_MLA_DISABLE=1 for MLA
-  targets (workers/vllm_settings.py), the CPU TP core binding (vllm_backend.cpu_env);
+  targets, the engine core in the engine's own child process (VLLM_ENABLE_V1_MULTIPROCESSING=0:
+  one process per engine instead of three; workers/vllm_settings.py says why), the CPU TP core
+  binding (vllm_backend.cpu_env);
 - the same environment and arguments for all three engines, the reference included, so the
   target computes the same function in each.
 Extra engine arguments: [stages.evaluate] options = { vllm = { gpu_memory_utilization = 0.8 } }.
@@ -119,7 +121,7 @@ def settings(ctx) -> Settings:
 def engine_env(s: Settings, cpu_build: bool) -> dict[str, str]:
     """The children's extra environment (the same for all three engines)."""
     from eyas.workers.vllm_backend import cpu_env
-    from eyas.workers.vllm_settings import speculative_env
+    from eyas.workers.vllm_settings import in_process_engine_env, speculative_env
 
     if not cpu_build:
         visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
@@ -128,10 +130,9 @@ def engine_env(s: Settings, cpu_build: bool) -> dict[str, str]:
                              f"{len(visible)} (CUDA_VISIBLE_DEVICES={','.join(visible)}); list {s.tp} devices in "
                              "resources.devices or lower evaluate.tensor_parallel_size")
         return speculative_env(s.target, on_gpu=True)
-    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE") or "1"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **in_process_engine_env(on_gpu=False), **cpu_env(s.tp)}
+    env = {key: os.environ.get(key) or value for key, value in env.items()}     # the user's settings win
     env.update(speculative_env(s.target, on_gpu=False))
-    for key, value in cpu_env(s.tp).items():
-        env[key] = os.environ.get(key) or value
     return env
 
 
