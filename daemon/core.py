@@ -408,7 +408,9 @@ class Core:
                 self._emit_state(run_id, "stage", "running",
                                  f"restart {n} of {srow['max_restarts']} in {backoff:.1f}s after {why}", stage=stage)
                 return
-            self._move_stage(run_id, stage, "failed", why)
+            # What a failed attempt measured before it failed is kept too (evaluate records its
+            # figures, then fails on a lossless mismatch); no summary clears an older one.
+            self._move_stage(run_id, stage, "failed", why, summary_json=json.dumps(summary) if summary else None)
             self._finish_run(run_id, "failed", f"{stage}: {why}")
         elif group.cancel_reason is not None:
             store.move_attempt(self.db, group.attempt_id, "cancelled", group.cancel_reason)

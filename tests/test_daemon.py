@@ -79,6 +79,17 @@ def test_empty_runtime_error_is_the_root_cause_with_type_rank_and_traceback(daem
     assert out.returncode == 0 and "RuntimeError (empty message)" in out.stdout
 
 
+def test_a_failed_stage_keeps_what_it_recorded_before_failing(daemon):
+    """evaluate writes its figures, then fails on a lossless mismatch: the figures are kept."""
+    run_id = daemon.submit(selftest_toml("measured", ranks=1, options={
+        "steps": 5, "step_time": 0.01, "fail": "raise", "fail_at_step": 3, "summary_on_fail": True}))
+    run = daemon.wait_run(run_id)
+    stage = run["stages"][0]
+    assert (run["state"], stage["state"]) == ("failed", "failed")
+    assert stage["summary"] == {"failed_at_step": 3, "attempt": 1}
+    assert _root(run)["type"] == "RuntimeError"
+
+
 def test_sigkilled_rank_is_named_and_the_group_is_gone_within_two_seconds(daemon):
     run_id = daemon.submit(selftest_toml("kill", ranks=3, options={"steps": 2000, "step_time": 0.05}))
     pids = _worker_pids(daemon, run_id, 3)

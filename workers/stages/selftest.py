@@ -34,6 +34,7 @@ class Options:
     fail_rank: int = 0              # -1: every rank
     fail_at_step: int = 0           # fail before doing this step (0-based)
     fail_attempts: tuple[int, ...] | None = None  # None: on every attempt
+    summary_on_fail: bool = False   # rank 0 writes summary.json before it fails (as evaluate does)
 
     @classmethod
     def parse(cls, raw: dict) -> Options:
@@ -85,6 +86,8 @@ def main(ctx) -> None:
     with open(done_path, "a") as done:
         for step in range(start, steps):
             if will_fail and step == opts.fail_at_step:
+                if opts.summary_on_fail and ctx.rank == 0:
+                    atomic.write_json(ctx.attempt_dir / "summary.json", {"failed_at_step": step, "attempt": ctx.attempt})
                 _fail(opts.fail, ctx, step)
             log.info("step %d/%d", step + 1, steps)
             if opts.lines_per_sec > 0:
