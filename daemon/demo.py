@@ -26,6 +26,9 @@ from .client import Client, DaemonError, DaemonNotRunning
 
 # The demo's config is the commented example shipped with the package.
 DEMO_TOML = Path(run_config.__file__).parent / "examples" / "demo.toml"
+# The demo's target has its output head fitted to the chats (eyas.workers.assets.fit_to_chats),
+# so that its answers are something a draft can learn to predict.
+FIT_STEPS = 300
 
 
 def demo_home() -> Path:
@@ -80,7 +83,8 @@ def command(args) -> int:
 def build_assets(target_dir: Path, console) -> bool:
     """Build the tiny target and the chats in a child process (it imports torch, we do not)."""
     with console.status(f"building the tiny target and chat data in {target_dir} …"):
-        proc = subprocess.run([sys.executable, "-m", "eyas.workers.assets", str(target_dir)],
+        proc = subprocess.run([sys.executable, "-m", "eyas.workers.assets", str(target_dir), "--fit-steps",
+                               str(FIT_STEPS)],
                               stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if proc.returncode != 0:
         console.print(f"[red]building the demo assets failed (exit {proc.returncode}):[/red]")

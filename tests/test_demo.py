@@ -20,6 +20,7 @@ from eyas.state import paths, queries, store
 
 EYAS = str(Path(sys.executable).with_name("eyas"))
 STAGES = ["prepare", "extract", "vocab", "train", "evaluate"]
+DEMO_ACCEPT_MARGIN = 0.25
 
 
 def _env(home: Path) -> dict:
@@ -85,6 +86,9 @@ def test_demo_runs_the_whole_pipeline_and_leaves_nothing_behind():
     row = next(line for line in text.splitlines() if line.startswith("│ evaluate "))
     assert (f"accept {ev['acceptance_length']:.2f} (untrained {ev['baseline_acceptance_length']:.2f})" in row
             and "lossless" in row), row
+    # The demo's target answers in the chats' patterns (assets.fit_to_chats), so training shows
+    # in vLLM. Measured: 1.535 trained vs 1.003 untrained (a gap of 0.53); the margin is half that.
+    assert ev["acceptance_length"] - ev["baseline_acceptance_length"] > DEMO_ACCEPT_MARGIN, ev
     assert took < 300
     assert _eyas_processes(home) == []
 

@@ -170,28 +170,104 @@ def build_model(out_dir: Path, family: str = "deepseek_v3", seed: int = 0, spec:
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.save_pretrained(out_dir, safe_serialization=True)
     if family == "deepseek_v3":
-        # vLLM's DeepseekV2 loader reads topk_method and scoring_func; transformers writes neither
-        # (its DeepseekV3 always routes with sigmoid, vLLM's default is softmax), and the target
-        # must compute the same function in both engines: a draft trained on transformers' hidden
-        # states is evaluated against vLLM's.
-        cfg_path = out_dir / "config.json"
-        cfg = json.loads(cfg_path.read_text())
-        cfg["topk_method"] = "noaux_tc"
-        cfg["scoring_func"] = "sigmoid"
-        cfg_path.write_text(json.dumps(cfg, indent=2))
+        _vllm_routing(out_dir)
     return out_dir
 
 
-def build_all(root: Path, seed: int = 0) -> dict[str, Path]:
-    """Everything the demo and the end-to-end tests need, under `root`; idempotent."""
+HEAD_NORM = 1.0     # the fitted head's mean row norm (see fit_to_chats)
+
+
+def fit_to_chats(model_dir: Path, steps: int, seed: int = 0, lr: float = 0.05) -> float:
+    """Fit the tiny target's output head (lm_head) to the synthetic chats and save it in place;
+    the final next-token loss.
+
+    For the demo: a random-weight target answers in byte tokens that no chat contains, so no
+    draft can learn to predict its answers. The head alone is fitted, on the final hidden
+    states of every chat computed once (a softmax regression, seconds on a CPU, where training
+    the whole MLA + MoE stack takes minutes): the target then answers in the chats' words and
+    patterns, and the evaluate stage measures a draft that has something to learn. The tests
+    keep the random targets, on whose figures they were calibrated.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    features, targets = [], []
+    with torch.no_grad():
+        for c in conversations(300, seed):
+            ids = tokenizer.apply_chat_template(
+                [{"role": {"human": "user", "gpt": "assistant"}.get(t["from"], t["from"]), "content": t["value"]}
+                 for t in c["conversations"]], tokenize=True, return_dict=False)
+            hidden = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+            features.append(hidden[:-1])
+            targets.append(torch.tensor(ids[1:]))
+    x, y = torch.cat(features), torch.cat(targets)
+    head = model.lm_head
+    torch.manual_seed(seed)
+    optimizer = torch.optim.Adam(head.parameters(), lr=lr)
+    loss = torch.tensor(float("nan"))
+    for _ in range(steps):
+        loss = torch.nn.functional.cross_entropy(head(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        # Scaling a row-normalised head changes no greedy choice, only how sharp the target's
+        # distribution is: the fit leaves rows ~40x the initial norm (logits near 50), a target
+        # so peaked that a draft trained on its distribution barely learns.
+        head.weight.mul_(HEAD_NORM / head.weight.norm(dim=1).mean())
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return float(loss.detach())
+
+
+def _vllm_routing(model_dir: Path) -> None:
+    """vLLM's DeepseekV2 loader reads topk_method and scoring_func; transformers writes neither
+    (its DeepseekV3 always routes with sigmoid, vLLM's default is softmax), and the target must
+    compute the same function in both engines: a draft trained on transformers' hidden states
+    is evaluated against vLLM's."""
+    cfg_path = model_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["topk_method"] = "noaux_tc"
+    cfg["scoring_func"] = "sigmoid"
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
+MARKER = "eyas-asset.json"
+
+
+def build_all(root: Path, seed: int = 0, fit_steps: int = 0) -> dict[str, Path]:
+    """Everything the demo and the end-to-end tests need, under `root`; idempotent.
+
+    `fit_steps` > 0 trains the tiny DeepSeek target on the chats first (fit_to_chats). Each model
+    is built in a scratch directory and renamed into place whole, with a marker of how it was
+    built: an interrupted build leaves nothing that looks finished, and a model built another
+    way (another seed, fitted or not) is rebuilt.
+    """
+    import shutil
+
     root.mkdir(parents=True, exist_ok=True)
+    for scratch in root.glob(".*.partial"):       # an interrupted build's
+        shutil.rmtree(scratch, ignore_errors=True) if scratch.is_dir() else scratch.unlink()
     out = {"tiny-deepseek": root / "tiny-deepseek", "tiny-llama": root / "tiny-llama",
            "chat.jsonl": root / "chat.jsonl"}
     for name, family in (("tiny-deepseek", "deepseek_v3"), ("tiny-llama", "llama")):
-        if not (out[name] / "model.safetensors").exists():
-            build_model(out[name], family, seed)
+        fit = fit_steps if family == "deepseek_v3" else 0
+        how = {"family": family, "seed": seed, "fit_steps": fit, "head_norm": HEAD_NORM if fit else None}
+        marker = out[name] / MARKER
+        if marker.exists() and {k: json.loads(marker.read_text()).get(k) for k in how} == how:
+            continue
+        scratch = root / f".{name}.partial"
+        shutil.rmtree(scratch, ignore_errors=True)
+        build_model(scratch, family, seed)
+        if how["fit_steps"]:
+            how["final_loss"] = round(fit_to_chats(scratch, how["fit_steps"], seed), 4)
+            _vllm_routing(scratch)
+        (scratch / MARKER).write_text(json.dumps(how))
+        shutil.rmtree(out[name], ignore_errors=True)
+        scratch.rename(out[name])
     if not out["chat.jsonl"].exists():
-        write_dataset(out["chat.jsonl"], seed=seed)
+        write_dataset(root / ".chat.jsonl.partial", seed=seed).rename(out["chat.jsonl"])
     return out
 
 
@@ -206,11 +282,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eyas.workers.assets", description=main.__doc__.splitlines()[0])
     parser.add_argument("dir", type=Path, help="where to build (created if missing; existing assets are kept)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fit-steps", type=int, default=0,
+                        help="train the tiny DeepSeek target on the chats for this many steps (the demo's)")
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    made = build_all(args.dir.absolute(), seed=args.seed)
+    made = build_all(args.dir.absolute(), seed=args.seed, fit_steps=args.fit_steps)
     print(json.dumps({k: str(v) for k, v in made.items()}))
     sys.stdout.flush()
     return 0
