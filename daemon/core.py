@@ -394,7 +394,10 @@ class Core:
             rec = describe_failure(group, ex, self.host)
             store.record_error(self.db, group.attempt_id, root_cause=(i == 0), **rec)
         srow = store.stage_row(self.db, run_id, stage)
+        # The stage's summary is its last finished attempt's, a failed one's included (evaluate
+        # records its figures, then fails on a lossless mismatch: the figures stay beside the error).
         summary = _read_json(group.dir / "summary.json")
+        summary_json = json.dumps(summary) if summary is not None else None
         if failures:
             root = failures[0]
             rec = describe_failure(group, root, self.host)
@@ -408,9 +411,7 @@ class Core:
                 self._emit_state(run_id, "stage", "running",
                                  f"restart {n} of {srow['max_restarts']} in {backoff:.1f}s after {why}", stage=stage)
                 return
-            # What a failed attempt measured before it failed is kept too (evaluate records its
-            # figures, then fails on a lossless mismatch); no summary clears an older one.
-            self._move_stage(run_id, stage, "failed", why, summary_json=json.dumps(summary) if summary else None)
+            self._move_stage(run_id, stage, "failed", why, summary_json=summary_json)
             self._finish_run(run_id, "failed", f"{stage}: {why}")
         elif group.cancel_reason is not None:
             store.move_attempt(self.db, group.attempt_id, "cancelled", group.cancel_reason)
@@ -418,8 +419,7 @@ class Core:
             self._finish_run(run_id, "cancelled", f"{stage}: {group.cancel_reason}")
         else:
             store.move_attempt(self.db, group.attempt_id, "succeeded", "every rank exited 0")
-            extra = {"summary_json": json.dumps(summary)} if summary is not None else {}
-            self._move_stage(run_id, stage, "succeeded", "every rank exited 0", **extra)
+            self._move_stage(run_id, stage, "succeeded", "every rank exited 0", summary_json=summary_json)
         self.poke()
 
     def _backoff(self, run_id: int, stage: str) -> float:

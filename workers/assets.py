@@ -191,14 +191,15 @@ def fit_to_chats(model_dir: Path, steps: int, seed: int = 0, lr: float = 0.05) -
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from eyas.workers.dataset_reader import normalize
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     features, targets = [], []
     with torch.no_grad():
-        for c in conversations(300, seed):
-            ids = tokenizer.apply_chat_template(
-                [{"role": {"human": "user", "gpt": "assistant"}.get(t["from"], t["from"]), "content": t["value"]}
-                 for t in c["conversations"]], tokenize=True, return_dict=False)
+        for c in conversations(seed=seed):      # the chats write_dataset writes, as prepare reads them
+            messages = normalize(c, "sharegpt", len(tokenizer)).messages
+            ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
             hidden = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
             features.append(hidden[:-1])
             targets.append(torch.tensor(ids[1:]))
@@ -217,7 +218,11 @@ def fit_to_chats(model_dir: Path, steps: int, seed: int = 0, lr: float = 0.05) -
         # distribution is: the fit leaves rows ~40x the initial norm (logits near 50), a target
         # so peaked that a draft trained on its distribution barely learns.
         head.weight.mul_(HEAD_NORM / head.weight.norm(dim=1).mean())
+    # Only the weights change: save_pretrained would rewrite config.json without the keys that
+    # only vLLM reads (_vllm_routing), so the config is kept as it was.
+    config = (model_dir / "config.json").read_text()
     model.save_pretrained(model_dir, safe_serialization=True)
+    (model_dir / "config.json").write_text(config)
     return float(loss.detach())
 
 
@@ -248,21 +253,24 @@ def build_all(root: Path, seed: int = 0, fit_steps: int = 0) -> dict[str, Path]:
 
     root.mkdir(parents=True, exist_ok=True)
     for scratch in root.glob(".*.partial"):       # an interrupted build's
-        shutil.rmtree(scratch, ignore_errors=True) if scratch.is_dir() else scratch.unlink()
+        if scratch.is_dir():
+            shutil.rmtree(scratch, ignore_errors=True)
+        else:
+            scratch.unlink()
     out = {"tiny-deepseek": root / "tiny-deepseek", "tiny-llama": root / "tiny-llama",
            "chat.jsonl": root / "chat.jsonl"}
     for name, family in (("tiny-deepseek", "deepseek_v3"), ("tiny-llama", "llama")):
         fit = fit_steps if family == "deepseek_v3" else 0
         how = {"family": family, "seed": seed, "fit_steps": fit, "head_norm": HEAD_NORM if fit else None}
         marker = out[name] / MARKER
-        if marker.exists() and {k: json.loads(marker.read_text()).get(k) for k in how} == how:
+        built = json.loads(marker.read_text()) if marker.exists() else {}
+        if {k: built.get(k) for k in how} == how:
             continue
         scratch = root / f".{name}.partial"
         shutil.rmtree(scratch, ignore_errors=True)
         build_model(scratch, family, seed)
         if how["fit_steps"]:
             how["final_loss"] = round(fit_to_chats(scratch, how["fit_steps"], seed), 4)
-            _vllm_routing(scratch)
         (scratch / MARKER).write_text(json.dumps(how))
         shutil.rmtree(out[name], ignore_errors=True)
         scratch.rename(out[name])

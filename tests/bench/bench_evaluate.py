@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 CACHE = Path(tempfile.gettempdir()) / "eyas-bench-evaluate-v1"
 
@@ -43,16 +44,23 @@ def spec(target: Path):
                 enforce_eager=True, cpu_mla=True)
 
 
-def run_once(s, work: Path, multiprocessing: str) -> dict:
+def stage_env(target: Path) -> dict[str, str]:
+    """The evaluate stage's own engine environment on the CPU build (TP 1)."""
+    from eyas.workers.stages.evaluate import engine_env
+
+    # engine_env reads only the target and the TP size of the stage's settings.
+    return engine_env(SimpleNamespace(target=str(target), tp=1), cpu_build=True)
+
+
+def run_once(s, work: Path, env: dict[str, str]) -> dict:
     from eyas.workers.vllm_eval import measure
 
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_MLA_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing}
     t0 = time.monotonic()
     devnull = os.open(os.devnull, os.O_WRONLY)
     saved = os.dup(1)
     os.dup2(devnull, 1)        # the child's vLLM log passes through our stdout: keep the figures readable
     try:
-        res = measure(s, work / f"mp{multiprocessing}", env, timeout=600)
+        res = measure(s, work, env, timeout=600)
     finally:
         os.dup2(saved, 1)
         os.close(devnull)
@@ -71,10 +79,14 @@ def main() -> int:
     if not (target / assets.MARKER).exists():
         assets.build_all(CACHE)
     s = spec(target)
+    eyas_env = stage_env(target)
+    # The one difference: vLLM's default layout, an EngineCore and a worker process per engine.
+    envs = {"default": {**eyas_env, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, "eyas": eyas_env}
+    print(f"the stage's environment: {eyas_env}")
     sides = {"default": [], "eyas": []}
     for i in range(args.runs):
-        for side, mp in (("default", "1"), ("eyas", "0")):
-            res = run_once(s, CACHE / "work", mp)
+        for side, env in envs.items():
+            res = run_once(s, CACHE / "work" / side, env)
             sides[side].append(res)
             print(f"run {i + 1} {side:8s}: whole measurement {res['wall']:6.1f} s, engine up {res['load_seconds']:5.1f} s, "
                   f"timed run {res['tok_s']:7.1f} tok/s", flush=True)
