@@ -16,6 +16,7 @@ COMMANDS = {
     "retry": "eyas.daemon.control:retry",
     "skip": "eyas.daemon.control:skip",
     "resume": "eyas.daemon.control:resume",
+    "stacks": "eyas.daemon.control:stacks",
     "runs": "eyas.daemon.history:runs",
     "show": "eyas.daemon.history:show",
     "logs": "eyas.daemon.logs:command",
@@ -64,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     sk.add_argument("--stage", required=True)
     r = sub.add_parser("resume", help="continue a failed or cancelled run")
     r.add_argument("run", type=int)
+    st = sub.add_parser("stacks", help="print the Python stacks of a running stage's ranks (for a hang)")
+    st.add_argument("run", type=int)
+    st.add_argument("--stage")
+    st.add_argument("--wait", type=float, default=2.0, help="seconds to wait for the ranks' dumps (default 2)")
 
     runs = sub.add_parser("runs", help="list runs, newest first (works without the daemon)")
     runs.add_argument("match", nargs="?", help="text to match in the run's name or model")

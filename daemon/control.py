@@ -1,8 +1,9 @@
-"""`eyas submit | stop | retry | skip | resume`: requests to the daemon."""
+"""`eyas submit | stop | retry | skip | resume | stacks`: requests to the daemon."""
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 from eyas.workers import config as run_config
@@ -62,3 +63,40 @@ def resume(args) -> int:
     again = ", ".join(r["stages"]) or "the remaining stages"
     print(f"run {r['run_id']}: resuming ({again})")
     return 0
+
+
+def stacks(args) -> int:
+    from .stacks import stacks_from
+
+    r = _request("stacks", run=args.run, **({"stage": args.stage} if args.stage else {}))
+    asked = [x for x in r["ranks"] if "offset" in x]
+    deadline = time.monotonic() + args.wait
+    dumps: dict[int, str] = {}
+    # faulthandler dumps from its C signal handler, so even a rank blocked in native code (a
+    # collective) answers at once; the wait only covers a machine too loaded to schedule it.
+    while True:
+        for x in asked:
+            dumps[x["pid"]] = stacks_from(_read_from(Path(x["log_path"]), x["offset"]))
+        if all(dumps.values()) or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    print(f"run {r['run_id']}: {r['stage']} attempt {r['attempt']}")
+    for x in r["ranks"]:
+        who = f"rank {x['rank']}" if x.get("role") != "tp-worker" else f"TP worker {x['tp_rank']}"
+        if "skipped" in x:
+            print(f"\n{who} (pid {x['pid']}): not dumped: {x['skipped']}")
+        elif dumps.get(x["pid"]):
+            print(f"\n{who} (pid {x['pid']}), also in {x['log_path']}:\n{dumps[x['pid']]}")
+        else:
+            print(f"\n{who} (pid {x['pid']}): no stacks within {args.wait:g} s; if it writes them later, "
+                  f"they are in {x['log_path']}")
+    return 0 if asked and all(dumps.get(x["pid"]) for x in asked) else 1
+
+
+def _read_from(path: Path, offset: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""

@@ -18,7 +18,7 @@ from eyas.state import machine, paths, store
 from eyas.workers import config as run_config
 from eyas.workers import specs
 
-from . import protocol
+from . import protocol, stacks
 from .logsplit import LogSplitter
 from .protocol import ProtocolError
 from .sampler import RankRef, Sampler
@@ -199,6 +199,19 @@ class Core:
                 f"stage {stage} of run {run_id} is running; stop it first (eyas stop {run_id} --stage {stage})")
         self._move_stage(run_id, stage, "skipped", "skipped by the user")
         return {"run_id": run_id, "stage": stage}
+
+    def op_stacks(self, run: int, stage: str | None = None) -> dict:
+        """Ask the live ranks of the run's running stage to write their Python stacks to their logs."""
+        run_id = self._run(run)["id"]
+        group = self._group_of(run_id, stage)
+        if group is None:
+            what = f"stage {stage} of run {run_id} is not running" if stage else f"run {run_id} has no running stage"
+            raise machine.IllegalTransition(f"{what}: only live ranks have stacks "
+                                            f"(a failed rank's traceback: eyas errors {run_id})")
+        ranks = stacks.request([*group.ranks, *group.workers.values()])
+        log.info("run %s: %s attempt %d: stacks requested from %d ranks", run_id, group.stage, group.attempt,
+                 sum("offset" in r for r in ranks))
+        return {"run_id": run_id, "stage": group.stage, "attempt": group.attempt, "ranks": ranks}
 
     def op_resume(self, run: int) -> dict:
         row = self._run(run)

@@ -32,6 +32,7 @@ OPS = {
     "retry": "new attempt of a failed or cancelled stage (args: run, stage?)",
     "skip": "skip a stage (args: run, stage)",
     "resume": "continue a failed or cancelled run from its first unfinished stage (args: run)",
+    "stacks": "live ranks of the running stage write their Python stacks to their logs (args: run, stage?)",
     "subscribe": "stream events (args: topics [state, log, metric], run?, stage?, rank?)",
     "unsubscribe": "end a subscription (args: sub)",
     "shutdown": "stop the daemon gracefully (args: grace?)",

@@ -221,6 +221,56 @@ def test_stop_skip_resume_and_illegal_transitions(daemon):
     assert out.returncode == 1 and "has no stage 'nope' (its stages: selftest)" in out.stderr
 
 
+def test_stacks_of_a_hung_stage_are_printed_and_the_ranks_live_on(daemon):
+    run_id = daemon.submit(selftest_toml("hang", ranks=2, options={"fail": "hang", "fail_rank": -1}))
+    pids = _worker_pids(daemon, run_id, 2)
+    logs = [Path(r["log_path"]) for r in daemon.ranks(run_id)]
+    wait_for(lambda: all(p.exists() and "hanging" in p.read_text() for p in logs), 60, what="both ranks to hang")
+
+    out = daemon.cli("stacks", run_id)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith(f"run {run_id}: selftest attempt 1\n")
+    blocks = out.stdout.split("\nrank ")[1:]
+    assert [b.split(" ", 1)[0] for b in blocks] == ["0", "1"]
+    for rank, (block, pid) in enumerate(zip(blocks, pids)):
+        assert block.startswith(f"{rank} (pid {pid}), also in {logs[rank]}:\nCurrent thread 0x"), block
+        # The hung frame itself: selftest's sleep loop, called from the runtime's entry.
+        assert 'selftest.py", line' in block and " in _fail\n" in block, block
+        assert "hanging" not in block  # only faulthandler's lines, not the log's other output
+        assert 'runtime.py", line' in block
+    # The dump is in the logs too, and the ranks are still there, still hung.
+    assert all("Current thread 0x" in p.read_text() for p in logs)
+    assert all(_alive(p) for p in pids)
+    assert daemon.run(run_id)["state"] == "running"
+
+    # A stage that is not running has no stacks: said, with where the traceback is instead.
+    assert daemon.cli("stop", run_id).returncode == 0
+    daemon.wait_run(run_id)
+    out = daemon.cli("stacks", run_id)
+    assert out.returncode == 1
+    assert out.stderr.strip() == (f"eyas stacks: run {run_id} has no running stage: only live ranks have "
+                                  f"stacks (a failed rank's traceback: eyas errors {run_id})")
+
+
+def test_a_process_is_signalled_only_once_it_catches_sigusr1():
+    import subprocess
+    import sys
+
+    from eyas.daemon.stacks import catches
+
+    plain = subprocess.Popen(["sleep", "30"])
+    ready = subprocess.Popen([sys.executable, "-c", "import faulthandler, signal, sys, time; "
+                              "faulthandler.register(signal.SIGUSR1); print('ok', flush=True); time.sleep(30)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert ready.stdout.readline() == "ok\n"
+        assert catches(ready.pid) and not catches(plain.pid)
+        assert not catches(2 ** 22 + 7)  # no such pid
+    finally:
+        plain.kill()
+        ready.kill()
+
+
 def test_runs_needing_the_same_devices_queue(daemon):
     a = daemon.submit(selftest_toml("gpu-a", ranks=1, devices="[0]", options={"steps": 20, "step_time": 0.05}), "a.toml")
     b = daemon.submit(selftest_toml("gpu-b", ranks=1, devices="[0]", options={"steps": 5, "step_time": 0.05}), "b.toml")

@@ -134,6 +134,26 @@ async def test_failing_rank_root_cause_then_retry_and_stop(daemon):
         assert daemon.run(run_id)["stages"][0]["attempt_list"][-1]["state"] == "cancelled"
 
 
+async def test_stacks_key_writes_a_hung_ranks_stack_into_the_followed_log(daemon):
+    run_id = daemon.submit(selftest_toml("tui-hang", ranks=2, options={"fail": "hang", "fail_rank": 1}))
+    app = EyasApp(daemon.home, socket=daemon.socket, run_id=run_id)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await until(pilot, lambda: isinstance(app.screen, RunScreen) and app.screen, what="the run screen")
+        await until(pilot, lambda: (s := _stage(screen)) and s["state"] == "running", timeout=60, what="running")
+        await pilot.press("l")
+        logs = await until(pilot, lambda: isinstance(app.screen, LogsScreen) and app.screen, what="the logs")
+        await pilot.press("1")
+        view = logs.query_one(LogView)
+        await until(pilot, lambda: any("hanging" in r.text for r in view.visible_rows()), timeout=60, what="the hang")
+        assert not any("most recent call first" in r.text for r in view.visible_rows())
+        await pilot.press("t")
+        rows = await until(pilot, lambda: (t := [r.text for r in view.visible_rows()]) and
+                           any(x.startswith("Current thread 0x") for x in t) and t, timeout=30, what="the stacks")
+        assert any('selftest.py", line' in x and x.endswith(" in _fail") for x in rows), rows
+        assert daemon.run(run_id)["state"] == "running"  # the dump does not end the rank
+        daemon.request("stop", run=run_id)
+
+
 async def test_readonly_hides_and_refuses_controls(daemon):
     run_id = daemon.submit(selftest_toml("tui-ro", ranks=2, options={"steps": 2000, "step_time": 0.05}))
     app = EyasApp(daemon.home, socket=daemon.socket, run_id=run_id, readonly=True)

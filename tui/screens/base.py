@@ -15,7 +15,7 @@ from ..widgets.chrome import Banner, TopBar
 from ..widgets.modals import ConfirmScreen
 
 # Actions that change something through the daemon: hidden and refused in --readonly.
-CONTROLS = frozenset({"submit", "stop_stage", "stop_run", "retry", "skip", "resume"})
+CONTROLS = frozenset({"submit", "stop_stage", "stop_run", "retry", "skip", "resume", "stacks"})
 
 
 class EyasScreen(Screen):
@@ -94,4 +94,7 @@ def _done(op: str, args: dict, result) -> str:
     verb = {"stop": "stopping", "retry": "retrying", "skip": "skipped", "resume": "resumed"}.get(op, op)
     if op == "retry" and isinstance(result, dict) and result.get("stage"):
         what = f"run {args.get('run')} stage {result['stage']}"
+    if op == "stacks" and isinstance(result, dict):
+        said = sum("offset" in r for r in result.get("ranks", []))
+        return f"{what}: {said} of {len(result.get('ranks', []))} ranks wrote their stacks into their logs"
     return f"{what}: {verb}"

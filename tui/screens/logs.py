@@ -47,6 +47,7 @@ class LogsScreen(EyasScreen):
         Binding("e", "first_error", "First error"),
         Binding("w", "wrap", "Wrap"),
         Binding("a", "merged", "All ranks"),
+        Binding("t", "stacks", "Stacks"),
         Binding("left_square_bracket", "rank_step(-1)", "Prev rank"),
         Binding("right_square_bracket", "rank_step(1)", "Next rank"),
         *[Binding(str(n), f"rank({n})", f"Rank {n}", show=False) for n in range(10)],
@@ -270,6 +271,12 @@ class LogsScreen(EyasScreen):
         view = self.query_one(LogView)
         view.follow = True
         self._status()
+
+    def action_stacks(self) -> None:
+        """For a hang: every live rank writes its Python stacks into its log, which this view follows."""
+        self.query_one(LogView).follow = True
+        self._status()
+        self.run_worker(self.control("stacks", run=self.run_id, stage=self.stage_name), group="control")
 
     def action_wrap(self) -> None:
         view = self.query_one(LogView)
