@@ -12,6 +12,13 @@ import pytest
 # The console script installed next to the interpreter that runs the tests (.venv/bin/eyas).
 EYAS = str(Path(sys.executable).with_name("eyas"))
 
+# Hermetic: every model the tests use is built on disk, so nothing may reach for a network that
+# CI machines do not have (where a lookup can wait instead of failing at once). Set before any
+# daemon starts, so its ranks and their vLLM engines inherit it. vLLM's usage report also
+# starts a py-cpuinfo subprocess per engine.
+for _name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK"):
+    os.environ.setdefault(_name, "1")
+
 
 @pytest.fixture
 def eyas_cli():

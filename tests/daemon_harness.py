@@ -96,8 +96,54 @@ class Daemon:
             db.conn.close()
 
     def wait_run(self, run_id: int, states=("succeeded", "failed", "cancelled"), timeout: float = 60) -> dict:
-        return wait_for(lambda: (r := self.run(run_id))["state"] in states and r, timeout,
-                        what=f"run {run_id} to become {'/'.join(states)}")
+        try:
+            return wait_for(lambda: (r := self.run(run_id))["state"] in states and r, timeout,
+                            what=f"run {run_id} to become {'/'.join(states)}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.diagnose(run_id)}") from None
+
+    def diagnose(self, run_id: int, lines: int = 40) -> str:
+        """What a stuck run was doing: its stages, each live rank's Python stacks and log tail,
+        and every process of this home. A CI timeout is otherwise only "timed out"."""
+        run = self.run(run_id)
+        out = [f"run {run_id}: {run['state']} (stage {run['stage']}); load average {psutil.getloadavg()}"]
+        out += ["  busiest processes on the machine:"] + [f"    {line}" for line in _busiest()]
+        for p in self._home_processes():
+            try:
+                cpu = sum(p.cpu_times()[:2])
+                out.append(f"  pid {p.pid} {p.status()} cpu {cpu:.1f}s: {' '.join(p.cmdline())[:160]}")
+            except psutil.Error:
+                pass
+        try:  # each live rank writes its stacks into its log (eyas stacks)
+            self.request("stacks", run=run_id)
+            time.sleep(1.0)
+        except Exception as exc:  # noqa: BLE001 - a diagnosis must not hide the timeout
+            out.append(f"  (no stacks: {exc})")
+        for s in run["stages"]:
+            out.append(f"stage {s['name']}: {s['state']} attempts {s['attempts']} reason {s['reason']}")
+            if s["state"] not in ("running", "failed") or not s["attempt_list"]:
+                continue
+            for r in s["attempt_list"][-1]["ranks"]:
+                out.append(f"  rank {r['rank']} pid {r['pid']} {r['state']} exit {r['exit_code']} log {r['log_path']}")
+                try:
+                    text = Path(r["log_path"]).read_text(errors="replace")
+                    out += ["    | " + line for line in text.splitlines()[-lines:]]
+                except (OSError, TypeError):
+                    pass
+        log = self.home / "daemon.log"
+        if log.exists():
+            out += ["daemon.log:"] + ["  | " + line for line in log.read_text(errors="replace").splitlines()[-lines:]]
+        return "\n".join(out)
+
+    def _home_processes(self) -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter(["environ"]):
+            try:
+                if (p.info["environ"] or {}).get("EYAS_HOME") == str(self.home) and p.pid != os.getpid():
+                    found.append(p)
+            except psutil.Error:
+                pass
+        return found
 
     def ranks(self, run_id: int, stage: str = "selftest", attempt: int | None = None) -> list[dict]:
         stages = {s["name"]: s for s in self.run(run_id)["stages"]}
@@ -124,13 +170,30 @@ class Daemon:
     def cleanup(self) -> None:
         """Stop the daemon and make sure no rank process of this home outlives the test."""
         self.stop()
-        home = str(self.home)
-        for p in psutil.process_iter(["environ"]):
+        for p in self._home_processes():
             try:
-                if (p.info["environ"] or {}).get("EYAS_HOME") == home and p.pid != os.getpid():
-                    p.kill()
+                p.kill()
             except psutil.Error:
                 pass
+
+
+def _busiest(n: int = 6, window: float = 0.5) -> list[str]:
+    """The processes using the most CPU over `window` seconds: a leftover of an earlier test
+    spinning on both cores looks, from inside a test, like a hang."""
+    procs = list(psutil.process_iter(["pid", "cmdline"]))
+    for p in procs:
+        try:
+            p.cpu_percent(None)
+        except psutil.Error:
+            pass
+    time.sleep(window)
+    rows = []
+    for p in procs:
+        try:
+            rows.append((p.cpu_percent(None), p.pid, " ".join(p.info["cmdline"] or [])[:140]))
+        except psutil.Error:
+            pass
+    return [f"{pct:5.0f}% pid {pid}: {cmd}" for pct, pid, cmd in sorted(rows, reverse=True)[:n]]
 
 
 def short_tmp() -> Path:

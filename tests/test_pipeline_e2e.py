@@ -94,7 +94,9 @@ def daemon():
 def pipeline(daemon):
     made = assets.build_all(daemon.home / "assets")
     run_id = daemon.submit(PIPELINE.format(target=made["tiny-deepseek"], data=made["chat.jsonl"]), "e2e.toml")
-    run = daemon.wait_run(run_id, timeout=600)
+    # Under pytest-timeout's 600 s for the whole setup, so that a hang reports the run's state,
+    # stacks and logs (Daemon.diagnose) rather than only pytest's timeout. It takes ~100 s here.
+    run = daemon.wait_run(run_id, timeout=450)
     return run_id, run, made
 
 
