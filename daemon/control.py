@@ -66,7 +66,7 @@ def resume(args) -> int:
 
 
 def stacks(args) -> int:
-    from .stacks import stacks_from
+    from .stacks import read_from, stacks_from
 
     r = _request("stacks", run=args.run, **({"stage": args.stage} if args.stage else {}))
     asked = [x for x in r["ranks"] if "offset" in x]
@@ -76,7 +76,7 @@ def stacks(args) -> int:
     # collective) answers at once; the wait only covers a machine too loaded to schedule it.
     while True:
         for x in asked:
-            dumps[x["pid"]] = stacks_from(_read_from(Path(x["log_path"]), x["offset"]))
+            dumps[x["pid"]] = stacks_from(read_from(Path(x["log_path"]), x["offset"]))
         if all(dumps.values()) or time.monotonic() >= deadline:
             break
         time.sleep(0.1)
@@ -92,11 +92,3 @@ def stacks(args) -> int:
                   f"they are in {x['log_path']}")
     return 0 if asked and all(dumps.get(x["pid"]) for x in asked) else 1
 
-
-def _read_from(path: Path, offset: int) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""

@@ -18,7 +18,7 @@ from eyas.state import machine, paths, store
 from eyas.workers import config as run_config
 from eyas.workers import specs
 
-from . import protocol, stacks
+from . import protocol, stacks, stall
 from .logsplit import LogSplitter
 from .protocol import ProtocolError
 from .sampler import RankRef, Sampler
@@ -325,6 +325,7 @@ class Core:
             self._move_stage(run_id, stage, "failed", f"could not start ranks: {exc}")
             return
         self.db["attempts"].update(attempt_id, {"master_port": group.master_port})
+        group.stall_timeout = stall.timeout_of(cfg, stage)
         self.groups[attempt_id] = group
         for r in group.ranks:
             store.upsert_rank(self.db, attempt_id, r.rank, monitor_pid=r.monitor_pid,
@@ -371,6 +372,28 @@ class Core:
                         continue
                 self._settle_group(group)
 
+    def watch_stalls(self, now: float) -> None:
+        """Fail a group whose attempt directory has not changed for its stall_timeout."""
+        for group in list(self.groups.values()):
+            if group.stall_timeout <= 0 or group.stall is not None or group.teardown_since is not None:
+                continue
+            seen = stall.activity(group.dir)
+            if seen != group.activity:
+                group.activity, group.active_at = seen, now
+            elif now - group.active_at >= group.stall_timeout:
+                quiet = now - group.active_at
+                asked = stacks.request([*group.ranks, *group.workers.values()])
+                group.stall = {"asked": asked, "quiet": quiet, "timeout": group.stall_timeout, "time": now}
+                why = f"stalled: nothing written for {quiet:.0f} s; collecting stacks, then tearing down"
+                log.warning("run %s: %s attempt %d %s", group.run_id, group.stage, group.attempt, why)
+                self._emit_state(group.run_id, "stage", "running", why, stage=group.stage, attempt=group.attempt)
+                self._spawn_task(self._end_stalled(group))
+
+    async def _end_stalled(self, group: Group) -> None:
+        await asyncio.sleep(stall.STACKS_WAIT)   # the ranks write their stacks meanwhile
+        if self.groups.get(group.attempt_id) is group and group.teardown_since is None:
+            await group.teardown(self.grace, "stalled")
+
     def _record_worker(self, group: Group, w: Rank) -> None:
         """A TP worker registered: a rank of the attempt from now on; its driver is one too."""
         store.upsert_rank(self.db, group.attempt_id, w.rank, pid=w.pid, create_time=w.create_time, host=self.host,
@@ -403,18 +426,21 @@ class Core:
         for ex in group.settle_workers():
             self._record_exit(group, ex)
         failures = group.failures()
-        for i, ex in enumerate(failures):
-            rec = describe_failure(group, ex, self.host)
+        records = [describe_failure(group, ex, self.host) for ex in failures]
+        stalled = group.stall is not None and group.cancel_reason is None
+        if stalled:  # the ranks' own failures, if any, came after the daemon gave up on them
+            records.insert(0, stall.error_record(group.stall, stage, self.host))
+        for i, rec in enumerate(records):
             store.record_error(self.db, group.attempt_id, root_cause=(i == 0), **rec)
         srow = store.stage_row(self.db, run_id, stage)
         # The stage's summary is its last finished attempt's, a failed one's included (evaluate
         # records its figures, then fails on a lossless mismatch: the figures stay beside the error).
         summary = _read_json(group.dir / "summary.json")
         summary_json = json.dumps(summary) if summary is not None else None
-        if failures:
-            root = failures[0]
-            rec = describe_failure(group, root, self.host)
-            why = f"{_who(root)} failed: {rec['type']}" + (f": {rec['message']}" if rec["message"] else "")
+        if records:
+            rec = records[0]
+            who = "" if stalled else f"{_who(failures[0])} failed: "
+            why = f"{who}{rec['type']}" + (f": {rec['message']}" if rec["message"] else "")
             store.move_attempt(self.db, group.attempt_id, "failed", why)
             if group.cancel_reason is None and srow["restarts"] < (srow["max_restarts"] or 0) and not self.stopping:
                 n = srow["restarts"] + 1
@@ -526,6 +552,8 @@ class Core:
             group.metrics_since = self.db.execute(
                 "SELECT max(time) FROM metrics WHERE run_id = ? AND stage = ? AND attempt = ?",
                 [a["run_id"], a["stage"], a["number"]]).fetchone()[0]
+            group.stall_timeout = stall.timeout_of(json.loads(self.db["runs"].get(a["run_id"])["config_json"] or "{}"),
+                                                   a["stage"])
             self.groups[a["id"]] = group
             log.info("re-adopted run %s %s attempt %s (%s ranks)", a["run_id"], a["stage"], a["number"], a["world_size"])
 
@@ -573,6 +601,7 @@ class Core:
                 if now - self._last_sample >= SAMPLE_PERIOD:
                     self._last_sample = now
                     self.sample(now)
+                    self.watch_stalls(now)
                 if now - self._last_prune >= PRUNE_PERIOD:
                     self._last_prune = now
                     store.prune_metrics(self.db, max_age_s=METRICS_MAX_AGE, max_rows=METRICS_MAX_ROWS)

@@ -76,3 +76,13 @@ def stacks_from(text: str) -> str:
         else:
             inside = False
     return "\n".join(kept)
+
+
+def read_from(path: Path, offset: int) -> str:
+    """A log's text from `offset` (where the signal found it) to its end; "" if unreadable."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""

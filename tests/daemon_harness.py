@@ -32,10 +32,11 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05, what: str
 
 
 def selftest_toml(name: str, ranks: int = 2, options: dict | None = None, max_restarts: int = 0,
-                  backoff: float = 0.1, devices: str = '"cpu"') -> str:
+                  backoff: float = 0.1, devices: str = '"cpu"', stall_timeout: float = 0) -> str:
     opts = ", ".join(f"{k} = {json.dumps(v)}" for k, v in (options or {}).items())
     return (f'name = "{name}"\npipeline = ["selftest"]\n[resources]\nranks = {ranks}\ndevices = {devices}\n'
-            f"[stages.selftest]\nmax_restarts = {max_restarts}\nbackoff = {backoff}\noptions = {{ {opts} }}\n")
+            f"[stages.selftest]\nmax_restarts = {max_restarts}\nbackoff = {backoff}\nstall_timeout = {stall_timeout}\n"
+            f"options = {{ {opts} }}\n")
 
 
 class Daemon:

@@ -227,6 +227,17 @@ options = { fail_at = 5, message = "boom" }
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
 
 
+def test_stall_timeout_is_a_stage_setting_and_must_not_be_negative(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    text = 'name = "st"\npipeline = ["selftest"]\n[stages.selftest]\nstall_timeout = {}\n'
+    cfg = loads(text.format(90))
+    assert cfg.stages["selftest"].stall_timeout == 90.0 and RunConfig.from_dict(cfg.to_dict()) == cfg
+    assert errors(text.format(-1)) == [
+        "run.toml: stages.selftest.stall_timeout: -1 is out of range; use a number >= 0"]
+    assert errors(text.format('"10m"')) == [
+        "run.toml: stages.selftest.stall_timeout: expected a number, got string '10m'"]
+
+
 def test_misspelled_keys_get_a_suggestion_at_every_level(big_run_dir):
     text = 'pipline = ["selftest"]\ncolour = 1\n' + BASE.replace('path = "model"', 'path = "model"\ndtyp = "float16"') + """
 [train]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -250,6 +251,39 @@ def test_stacks_of_a_hung_stage_are_printed_and_the_ranks_live_on(daemon):
     assert out.returncode == 1
     assert out.stderr.strip() == (f"eyas stacks: run {run_id} has no running stage: only live ranks have "
                                   f"stacks (a failed rank's traceback: eyas errors {run_id})")
+
+
+def test_a_stage_that_goes_quiet_fails_as_stalled_with_the_stacks_and_restarts(daemon):
+    # Rank 1 hangs in attempt 1 only; rank 0 finishes its steps and exits. Nothing is written
+    # after that, so after stall_timeout the attempt fails, and the restart succeeds.
+    run_id = daemon.submit(selftest_toml("stall", ranks=2, max_restarts=1, stall_timeout=2, options={
+        "steps": 5, "fail": "hang", "fail_rank": 1, "fail_attempts": [1]}))
+    run = daemon.wait_run(run_id, timeout=60)
+    assert run["state"] == "succeeded", run
+    first, second = run["stages"][0]["attempt_list"]
+    assert (first["state"], second["state"]) == ("failed", "succeeded")
+    assert run["stages"][0]["restarts"] == 1
+    # Stall found 2-3 s after the last write (checked at 1 Hz), then 1.5 s for the stacks and
+    # the teardown (SIGTERM; the hung rank ends at once).
+    assert first["duration"] < 12, first
+    root = first["root_cause"]
+    pid = next(r["pid"] for r in first["ranks"] if r["rank"] == 1)
+    assert (root["type"], root["rank"], root["pid"], root["source"]) == ("Stalled", 1, pid, "stall")
+    assert re.fullmatch(r"no rank wrote a log line or progress for [23] s \(stages\.selftest\.stall_timeout = 2\); "
+                        r"the live ranks' stacks follow", root["message"]), root["message"]
+    assert root["traceback"].startswith(f"rank 1 (pid {pid}):\nCurrent thread 0x"), root["traceback"]
+    assert 'selftest.py", line' in root["traceback"] and " in _fail\n" in root["traceback"]
+    assert "rank 0" not in root["traceback"]  # it had exited: nothing to say about it
+    assert first["reason"] == "Stalled: " + root["message"]
+    assert [r["state"] for r in first["ranks"]] == ["exited", "killed"]
+
+
+def test_a_slow_stage_that_keeps_writing_is_not_stalled(daemon):
+    run_id = daemon.submit(selftest_toml("slow", ranks=1, stall_timeout=1.5, options={"steps": 8, "step_time": 0.6}))
+    run = daemon.wait_run(run_id, timeout=60)
+    assert run["state"] == "succeeded", run
+    (attempt,) = run["stages"][0]["attempt_list"]
+    assert attempt["duration"] > 4.5 > 1.5  # far longer than the timeout, yet never quiet that long
 
 
 def test_a_process_is_signalled_only_once_it_catches_sigusr1():

@@ -108,6 +108,7 @@ class EvaluateConfig:
 class StageConfig:
     max_restarts: int | None = None     # None: the stage spec's default
     backoff: float = DEFAULT_BACKOFF    # seconds before the first restart, doubled each time
+    stall_timeout: float = 0.0          # fail the attempt after this long with nothing written; 0: off
     ranks: int | None = None            # None: resources.ranks
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -568,6 +569,7 @@ def _check_stages(ck: _Checker, data: dict, pipeline: tuple[str, ...]) -> dict[s
         values = ck.fields(sub, key, {
             "max_restarts": lambda k, v: ck.integer(k, v, 0, 100),
             "backoff": lambda k, v: ck.number(k, v, 0.0),
+            "stall_timeout": lambda k, v: ck.number(k, v, 0.0),
             "ranks": lambda k, v: ck.integer(k, v, 1),
             "options": _check_options(ck),
         })
