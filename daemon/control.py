@@ -66,7 +66,7 @@ def resume(args) -> int:
 
 
 def stacks(args) -> int:
-    from .stacks import read_from, stacks_from
+    from .stacks import dump_of, who
 
     r = _request("stacks", run=args.run, **({"stage": args.stage} if args.stage else {}))
     asked = [x for x in r["ranks"] if "offset" in x]
@@ -76,19 +76,18 @@ def stacks(args) -> int:
     # collective) answers at once; the wait only covers a machine too loaded to schedule it.
     while True:
         for x in asked:
-            dumps[x["pid"]] = stacks_from(read_from(Path(x["log_path"]), x["offset"]))
+            dumps[x["pid"]] = dump_of(x)
         if all(dumps.values()) or time.monotonic() >= deadline:
             break
         time.sleep(0.1)
     print(f"run {r['run_id']}: {r['stage']} attempt {r['attempt']}")
     for x in r["ranks"]:
-        who = f"rank {x['rank']}" if x.get("role") != "tp-worker" else f"TP worker {x['tp_rank']}"
         if "skipped" in x:
-            print(f"\n{who} (pid {x['pid']}): not dumped: {x['skipped']}")
+            print(f"\n{who(x)} (pid {x['pid']}): not dumped: {x['skipped']}")
         elif dumps.get(x["pid"]):
-            print(f"\n{who} (pid {x['pid']}), also in {x['log_path']}:\n{dumps[x['pid']]}")
+            print(f"\n{who(x)} (pid {x['pid']}), also in {x['log_path']}:\n{dumps[x['pid']]}")
         else:
-            print(f"\n{who} (pid {x['pid']}): no stacks within {args.wait:g} s; if it writes them later, "
+            print(f"\n{who(x)} (pid {x['pid']}): no stacks within {args.wait:g} s; if it writes them later, "
                   f"they are in {x['log_path']}")
     return 0 if asked and all(dumps.get(x["pid"]) for x in asked) else 1
 

@@ -325,7 +325,7 @@ class Core:
             self._move_stage(run_id, stage, "failed", f"could not start ranks: {exc}")
             return
         self.db["attempts"].update(attempt_id, {"master_port": group.master_port})
-        group.stall_timeout = stall.timeout_of(cfg, stage)
+        group.stall_timeout = _stage_value(cfg, stage, "stall_timeout", 0.0)
         self.groups[attempt_id] = group
         for r in group.ranks:
             store.upsert_rank(self.db, attempt_id, r.rank, monitor_pid=r.monitor_pid,
@@ -383,7 +383,7 @@ class Core:
             elif now - group.active_at >= group.stall_timeout:
                 quiet = now - group.active_at
                 asked = stacks.request([*group.ranks, *group.workers.values()])
-                group.stall = {"asked": asked, "quiet": quiet, "timeout": group.stall_timeout, "time": now}
+                group.stall = {"asked": asked, "quiet": quiet, "time": now}
                 why = f"stalled: nothing written for {quiet:.0f} s; collecting stacks, then tearing down"
                 log.warning("run %s: %s attempt %d %s", group.run_id, group.stage, group.attempt, why)
                 self._emit_state(group.run_id, "stage", "running", why, stage=group.stage, attempt=group.attempt)
@@ -429,7 +429,7 @@ class Core:
         records = [describe_failure(group, ex, self.host) for ex in failures]
         stalled = group.stall is not None and group.cancel_reason is None
         if stalled:  # the ranks' own failures, if any, came after the daemon gave up on them
-            records.insert(0, stall.error_record(group.stall, stage, self.host))
+            records.insert(0, stall.error_record(group, self.host))
         for i, rec in enumerate(records):
             store.record_error(self.db, group.attempt_id, root_cause=(i == 0), **rec)
         srow = store.stage_row(self.db, run_id, stage)
@@ -463,7 +463,7 @@ class Core:
 
     def _backoff(self, run_id: int, stage: str) -> float:
         cfg = json.loads(self.db["runs"].get(run_id)["config_json"] or "{}")
-        return float(cfg.get("stages", {}).get(stage, {}).get("backoff", 2.0))
+        return _stage_value(cfg, stage, "backoff", 2.0)
 
     # -- metrics -------------------------------------------------------------------------
 
@@ -552,8 +552,8 @@ class Core:
             group.metrics_since = self.db.execute(
                 "SELECT max(time) FROM metrics WHERE run_id = ? AND stage = ? AND attempt = ?",
                 [a["run_id"], a["stage"], a["number"]]).fetchone()[0]
-            group.stall_timeout = stall.timeout_of(json.loads(self.db["runs"].get(a["run_id"])["config_json"] or "{}"),
-                                                   a["stage"])
+            cfg = json.loads(self.db["runs"].get(a["run_id"])["config_json"] or "{}")
+            group.stall_timeout = _stage_value(cfg, a["stage"], "stall_timeout", 0.0)
             self.groups[a["id"]] = group
             log.info("re-adopted run %s %s attempt %s (%s ranks)", a["run_id"], a["stage"], a["number"], a["world_size"])
 
@@ -612,6 +612,12 @@ class Core:
                 await asyncio.wait_for(self._dirty.wait(), timeout=0.05)
             except asyncio.TimeoutError:
                 pass
+
+
+def _stage_value(cfg: dict, stage: str, key: str, default: float) -> float:
+    """A [stages.<stage>] setting from a run's config JSON; `default` where the table or key is absent."""
+    value = ((cfg.get("stages") or {}).get(stage) or {}).get(key)
+    return float(default if value is None else value)
 
 
 def _who(ex: RankExit) -> str:

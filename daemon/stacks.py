@@ -86,3 +86,13 @@ def read_from(path: Path, offset: int) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+def who(entry: dict) -> str:
+    """How a request() record names its process: "rank 1", or "TP worker 3"."""
+    return f"TP worker {entry['tp_rank']}" if entry.get("role") == "tp-worker" else f"rank {entry['rank']}"
+
+
+def dump_of(entry: dict) -> str:
+    """The stacks a signalled rank has written so far ("" before it has, or if it was skipped)."""
+    return stacks_from(read_from(Path(entry["log_path"]), entry["offset"])) if "offset" in entry else ""

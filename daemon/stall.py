@@ -14,14 +14,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .stacks import read_from, stacks_from
+from .stacks import dump_of, who
 
 STACKS_WAIT = 1.5   # seconds for the signalled ranks to write their stacks before the teardown
-
-
-def timeout_of(cfg: dict, stage: str) -> float:
-    """stages.<stage>.stall_timeout from a run's config JSON; 0 (off) when unset."""
-    return float(((cfg.get("stages") or {}).get(stage) or {}).get("stall_timeout") or 0.0)
 
 
 def activity(directory: Path) -> tuple:
@@ -35,24 +30,20 @@ def activity(directory: Path) -> tuple:
         return ()
 
 
-def error_record(stall: dict, stage: str, host: str) -> dict:
-    """The root-cause error of a stalled attempt, from what stacks.request returned."""
-    asked = stall["asked"]
-    parts, first = [], None
+def error_record(group, host: str) -> dict:
+    """The root-cause error of a stalled attempt (a supervisor.Group whose `stall` is set)."""
+    asked, parts = group.stall["asked"], []
     for a in asked:
-        who = f"TP worker {a['tp_rank']}" if a.get("role") == "tp-worker" else f"rank {a['rank']}"
         if "offset" in a:
-            dump = stacks_from(read_from(Path(a["log_path"]), a["offset"]))
-            parts.append(f"{who} (pid {a['pid']}):\n{dump or '(it wrote no stacks in time)'}")
-            first = first or a
-        elif a.get("skipped") != "not running":
-            parts.append(f"{who} (pid {a['pid']}): no stacks: {a['skipped']}")
-    first = first or next((a for a in asked if a.get("skipped") != "not running"), asked[0] if asked else {})
+            parts.append(f"{who(a)} (pid {a['pid']}):\n{dump_of(a) or '(it wrote no stacks in time)'}")
+        elif a["skipped"] != "not running":
+            parts.append(f"{who(a)} (pid {a['pid']}): no stacks: {a['skipped']}")
+    live = [a for a in asked if a.get("skipped") != "not running"]
+    first = next((a for a in live if "offset" in a), live[0] if live else asked[0] if asked else {})
     return {
         "rank": first.get("rank"), "pid": first.get("pid"), "host": host, "type": "Stalled",
-        "message": (f"no rank wrote a log line or progress for {stall['quiet']:.0f} s "
-                    f"(stages.{stage}.stall_timeout = {stall['timeout']:g}); the live ranks' stacks follow"),
-        "traceback": "\n\n".join(parts), "time_": stall["time"], "source": "stall",
+        "message": (f"no rank wrote a log line or progress for {group.stall['quiet']:.0f} s "
+                    f"(stages.{group.stage}.stall_timeout = {group.stall_timeout:g}); the live ranks' stacks follow"),
+        "traceback": "\n\n".join(parts), "time_": group.stall["time"], "source": "stall",
         "path": first.get("log_path"),
     }
-

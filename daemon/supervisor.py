@@ -192,7 +192,8 @@ class Group:
     leftovers_ended: bool = False    # the driver ranks ended and their leftovers were torn down
     pidfds: dict[int, int] = field(default_factory=dict)   # TP rank -> pidfd watched by the event loop
     # The stall watchdog (daemon/stall.py): seconds of quiet allowed (0: off), when the attempt
-    # directory last changed and how it looked, and, once stalled, what stacks.request said.
+    # directory last changed and how it looked, and, once stalled, what stacks.request said,
+    # how long it had been quiet and when.
     stall_timeout: float = 0.0
     active_at: float = field(default_factory=time.time)
     activity: tuple = ()

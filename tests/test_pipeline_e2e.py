@@ -48,19 +48,10 @@ lr = 1e-3
 batch_tokens = 512
 [evaluate]
 max_tokens = 32
+"""
 # A hang fails its stage within 3 minutes, with every live rank's stacks as the root cause,
 # instead of holding the test until its timeout. Each stage takes well under a minute here.
-[stages.prepare]
-stall_timeout = 180
-[stages.extract]
-stall_timeout = 180
-[stages.vocab]
-stall_timeout = 180
-[stages.train]
-stall_timeout = 180
-[stages.evaluate]
-stall_timeout = 180
-"""
+PIPELINE += "".join(f"[stages.{stage}]\nstall_timeout = 180\n" for stage in STAGES)
 
 TRAIN_ONLY = """\
 name = "kill"
