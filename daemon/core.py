@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sqlite_utils.db import NotFoundError
+
 from eyas.state import machine, paths, store
 from eyas.workers import config as run_config
 from eyas.workers import specs
@@ -92,11 +94,10 @@ class Core:
             raise
         except machine.IllegalTransition as exc:
             raise ProtocolError(protocol.ILLEGAL, str(exc)) from None
-        except KeyError as exc:
-            raise ProtocolError(protocol.NOT_FOUND, str(exc.args[0]) if exc.args else "not found") from None
-        except (TypeError, ValueError) as exc:
-            # Arguments of the right names but wrong values ("run": "abc").
-            raise ProtocolError(protocol.BAD_REQUEST, f"{req.op}: {exc}") from None
+        except store.NotFound as exc:
+            raise ProtocolError(protocol.NOT_FOUND, str(exc)) from None
+        # Anything else is eyas's own bug: the server logs its traceback and replies
+        # "internal", rather than passing it off as the caller's bad request.
         finally:
             self.poke()
 
@@ -118,10 +119,12 @@ class Core:
                 "gpu": self.sampler.gpu_available}
 
     def _run(self, run: Any) -> dict:
+        if isinstance(run, bool) or not isinstance(run, (int, str)) or not str(run).strip().isdigit():
+            raise ProtocolError(protocol.BAD_REQUEST, f"run: {run!r} is not a run id (a whole number)")
         try:
             return self.db["runs"].get(int(run))
-        except Exception:
-            raise KeyError(f"no run {run}") from None
+        except NotFoundError:
+            raise store.NotFound(f"no run {run}") from None
 
     def op_submit(self, config_path: str) -> dict:
         try:

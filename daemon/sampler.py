@@ -21,12 +21,8 @@ from typing import Any
 import psutil
 
 from eyas.daemon.progressfile import read_new
+from eyas.state.procs import same_start
 from eyas.workers.nvml import GpuProbe
-
-# psutil create_time() is boot time + ticks since boot, and the kernel recomputes boot time
-# from the wall clock, so the same process can read a second apart after a clock step.
-# A pid is never recycled that fast, so a second of slack cannot confuse two processes.
-CREATE_TIME_SLACK_S = 1.0
 
 # Record keys that identify a record rather than measure something.
 _NOT_METRICS = frozenset({"time", "rank", "pid", "attempt"})
@@ -252,8 +248,7 @@ class Sampler:
                 created = p.create_time()
             except _GONE:
                 p = None
-            if p is not None and (ref.root_create_time is None
-                                  or abs(created - ref.root_create_time) <= CREATE_TIME_SLACK_S):
+            if p is not None and same_start(created, ref.root_create_time):
                 live[root] = p
         # Walk down from every live member, not only the root: a monitor that died leaves its
         # worker (reparented to init) still running and still the rank's.

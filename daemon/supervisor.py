@@ -40,6 +40,7 @@ from pathlib import Path
 
 import psutil
 
+from eyas.state import procs
 from eyas.workers import specs
 
 from . import oom
@@ -65,17 +66,8 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
-def _alive(pid: int | None, create_time: float | None) -> bool:
-    """Is the process (pid, create_time) still running? A recycled pid is not."""
-    if not pid:
-        return False
-    try:
-        proc = psutil.Process(pid)
-        if create_time is not None and abs(proc.create_time() - create_time) > 0.01:
-            return False
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
+# One identity rule for the daemon, its sampler and the TUI (a second of slack for clock steps).
+_alive = procs.alive
 
 
 def create_time(pid: int) -> float | None:

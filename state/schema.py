@@ -130,7 +130,11 @@ def migrate(db: sqlite_utils.Database) -> int:
             f"database schema version {current} is newer than this eyas knows ({LATEST}); upgrade eyas"
         )
     for number in range(current + 1, LATEST + 1):
-        with db.conn:
+        # One explicit transaction per migration, its DDL included: Python 3.11's sqlite3
+        # opens no transaction for DDL inside `with conn:`, so a migration failing halfway
+        # would leave columns behind and the next start would fail on "duplicate column".
+        # sqlite-utils' atomic() issues BEGIN itself (its own writes nest as savepoints).
+        with db.atomic():
             MIGRATIONS[number - 1](db)
             db.execute(f"PRAGMA user_version = {number}")
     return LATEST

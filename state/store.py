@@ -17,6 +17,13 @@ import sqlite_utils
 from . import machine, queries, schema
 
 
+class NotFound(KeyError):
+    """A run or stage that the store does not hold: the caller's mistake, not eyas's."""
+
+    def __str__(self) -> str:       # KeyError's own str() would quote the message
+        return str(self.args[0]) if self.args else "not found"
+
+
 class StoreMissing(FileNotFoundError):
     """No database yet: nothing has been submitted under this state directory."""
 
@@ -107,7 +114,7 @@ def stage_row(db, run_id: int, stage: str) -> dict:
     rows = list(db["stages"].rows_where("run_id = ? and name = ?", [run_id, stage]))
     if not rows:
         names = [r["name"] for r in db["stages"].rows_where("run_id = ?", [run_id], order_by="position")]
-        raise KeyError(f"run {run_id} has no stage {stage!r} (its stages: {', '.join(names)})")
+        raise NotFound(f"run {run_id} has no stage {stage!r} (its stages: {', '.join(names)})")
     return rows[0]
 
 

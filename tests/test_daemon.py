@@ -315,7 +315,8 @@ def test_runs_needing_the_same_devices_queue(daemon):
     assert bt["started_at"] >= at["ended_at"], "two groups shared GPU 0"
     assert at["devices"] == bt["devices"] == [0]
     db = daemon.reader()
-    assert db["runs"].get(b)["reason"] != "waiting for devices held by run 1" or True
+    # The queue's "waiting for devices held by run 1" gave way to the run's real end.
+    assert db["runs"].get(b)["reason"] == "every stage succeeded or was skipped"
     # Each rank saw its GPU through CUDA_VISIBLE_DEVICES, the torchrun way.
     assert at["ranks"][0]["device"] == "0"
 
@@ -488,7 +489,10 @@ def test_requests_with_wrong_arguments_get_clear_errors(daemon):
     assert (err.value.code, err.value.message) == ("not_found", "no run 999")
     with pytest.raises(DaemonError) as err:
         daemon.request("stop", run="abc")
-    assert err.value.code in ("bad_request", "not_found")
+    assert (err.value.code, err.value.message) == ("bad_request", "run: 'abc' is not a run id (a whole number)")
+    with pytest.raises(DaemonError) as err:
+        daemon.request("skip", run=1, stage="nope")
+    assert err.value.code == "not_found"
     assert daemon.request("ping")["pid"] == daemon.proc.pid
 
 
@@ -505,3 +509,20 @@ def test_submit_follow_streams_until_the_run_ends(daemon):
     assert out.returncode == 1
     assert "run 2 follow-fail: failed" in out.stdout
     assert "rank 1 RuntimeError: selftest failure" in out.stdout
+
+
+async def test_an_internal_error_in_an_op_is_not_passed_off_as_the_callers_mistake(tmp_path):
+    from eyas.daemon import core, protocol
+    from eyas.state import store
+
+    c = core.Core(store.open_writer(tmp_path / "e.db"), tmp_path)
+    with pytest.raises(protocol.ProtocolError) as err:
+        await c.handle(protocol.Request(1, "retry", {"run": 7}))
+    assert (err.value.code, str(err.value)) == (protocol.NOT_FOUND, "no run 7")
+
+    def broken(run):
+        return {}["a key eyas itself forgot"]       # a bug inside the op, not a missing run
+
+    c.op_resume = broken
+    with pytest.raises(KeyError, match="a key eyas itself forgot"):
+        await c.handle(protocol.Request(2, "resume", {"run": 1}))

@@ -31,6 +31,26 @@ def test_reader_refuses_a_missing_or_newer_database(tmp_path):
         store.open_reader(tmp_path / "e.db")
 
 
+def test_a_migration_that_fails_halfway_leaves_nothing_behind(tmp_path, monkeypatch):
+    db = store.open_writer(tmp_path / "e.db")
+    columns_before = {c.name for c in db["ranks"].columns}
+
+    def half_done(db):
+        db["ranks"].add_column("half_done", str)      # DDL first, as a real migration would
+        raise RuntimeError("migration 3 failed after its first column")
+
+    monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS, half_done])
+    monkeypatch.setattr(schema, "LATEST", len(schema.MIGRATIONS))
+    with pytest.raises(RuntimeError, match="after its first column"):
+        schema.migrate(db)
+    assert {c.name for c in db["ranks"].columns} == columns_before
+    assert schema.version(db) == schema.LATEST - 1
+    # Fixed, the same migration applies on the next start instead of "duplicate column".
+    monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS[:-1], lambda db: db["ranks"].add_column("half_done", str)])
+    assert schema.migrate(db) == schema.LATEST
+    assert "half_done" in {c.name for c in db["ranks"].columns}
+
+
 def test_retention_drops_old_samples_then_the_oldest_beyond_the_cap(tmp_path):
     db = store.open_writer(tmp_path / "e.db")
     now = 1_000_000.0
@@ -64,3 +84,4 @@ def test_oom_counter_is_read_from_either_cgroup_version(tmp_path, text, expected
 def test_oom_counter_on_this_machine_is_a_number_or_absent():
     found = oom.oom_kill_count()
     assert found is None or found >= 0
+

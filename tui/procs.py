@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import psutil
 
-# psutil create_time() can read a second apart across a clock step (see daemon/sampler.py).
-CREATE_TIME_SLACK_S = 1.0
+from eyas.state.procs import same_start
 
 
 class ProcWatch:
@@ -25,7 +24,7 @@ class ProcWatch:
             return []
         try:
             root = psutil.Process(pid)
-            if create_time and abs(root.create_time() - create_time) > CREATE_TIME_SLACK_S:
+            if create_time and not same_start(root.create_time(), create_time):
                 return []
             kids = root.children(recursive=True)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
