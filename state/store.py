@@ -153,6 +153,8 @@ def new_attempt(
             }
         ).last_pk
         db["stages"].update(row["id"], {"attempts": number, "world_size": world_size})
+        # The run's reason follows its current stage: "starting prepare" must not outlive prepare.
+        db["runs"].update(run_id, {"current_stage": stage, "reason": f"{stage}: attempt {number} started"})
         _event(db, run_id, "attempt", None, "running", f"attempt {number} started", stage=stage,
                attempt=number, now=now)
     return attempt_id, number

@@ -51,6 +51,20 @@ def test_a_migration_that_fails_halfway_leaves_nothing_behind(tmp_path, monkeypa
     assert "half_done" in {c.name for c in db["ranks"].columns}
 
 
+def test_the_runs_reason_follows_its_current_stage(tmp_path):
+    db = store.open_writer(tmp_path / "e.db")
+    run_id = store.create_run(db, name="r", model="m", stages=[{"name": "prepare"}, {"name": "extract"}])
+    store.move_run(db, run_id, "running", "starting prepare")       # as the daemon starts a run
+    for stage in ("prepare", "extract"):
+        store.move_stage(db, run_id, stage, "running", "started")
+        store.new_attempt(db, run_id, stage, dir=str(tmp_path / stage), world_size=1)
+        row = db["runs"].get(run_id)
+        assert (row["current_stage"], row["reason"]) == (stage, f"{stage}: attempt 1 started")
+        store.move_stage(db, run_id, stage, "succeeded", "every rank exited 0")
+    store.new_attempt(db, run_id, "extract", dir=str(tmp_path / "extract-2"), world_size=1)
+    assert db["runs"].get(run_id)["reason"] == "extract: attempt 2 started"
+
+
 def test_retention_drops_old_samples_then_the_oldest_beyond_the_cap(tmp_path):
     db = store.open_writer(tmp_path / "e.db")
     now = 1_000_000.0
