@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     sk.add_argument("--stage", required=True)
     r = sub.add_parser("resume", help="continue a failed or cancelled run")
     r.add_argument("run", type=int)
-    st = sub.add_parser("stacks", help="print the Python stacks of a running stage's ranks (for a hang)")
+    st = sub.add_parser("stacks", help="print the Python and native stacks of a running stage's processes (for a hang)")
     st.add_argument("run", type=int)
     st.add_argument("--stage")
     st.add_argument("--wait", type=float, default=2.0, help="seconds to wait for the ranks' dumps (default 2)")
@@ -129,6 +129,24 @@ def main(argv: list[str] | None = None) -> int:
         # `eyas runs | head` closes the pipe early; that is not an error.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except Exception as exc:
+        damaged = _damaged_store(exc)
+        if damaged is None:
+            raise
+        print(f"eyas {args.command}: {damaged}", file=sys.stderr)
+        return 1
+
+
+def _damaged_store(exc: Exception) -> str | None:
+    """The one line for a history command that found the database damaged (SQLite's "file is
+    not a database", "database disk image is malformed"), else None. Checked here, once, for
+    every command that reads the store (runs, show, errors, logs, tui); sqlite3 is only looked
+    at if a command already imported it."""
+    if "sqlite3" not in sys.modules:
+        return None
+    from eyas.state import integrity, paths
+
+    return str(integrity.DatabaseDamaged(paths.db_path(), str(exc))) if integrity.is_damage(exc) else None
 
 
 if __name__ == "__main__":

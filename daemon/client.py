@@ -39,8 +39,8 @@ class DaemonError(RuntimeError):
 
 
 def _default_path() -> Path:
-    from eyas.state import paths  # stdlib only; imported here so a given path needs no state dir
-    return paths.socket_path()
+    from eyas.state import paths  # imported here so that a given path needs no state dir
+    return paths.find_socket()
 
 
 def _lost(path: Path) -> DaemonNotRunning:

@@ -1,4 +1,8 @@
-"""`eyas daemon start|stop|status`."""
+"""`eyas daemon start|stop|status`: start at most one daemon per state directory, stop it, report it.
+
+Every client here finds the daemon through paths.find_socket (the client's default path), so
+a daemon serving from another runtime directory than this shell computes is still found.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import time
 
 import psutil
 
-from eyas.state import paths
+from eyas.state import paths, procs
 
 from .client import Client, DaemonError, DaemonNotRunning
 
@@ -18,12 +22,20 @@ def command(args) -> int:
     return {"start": start, "stop": stop, "status": status}[args.action](args)
 
 
-def _ping(timeout: float = 2.0) -> dict | None:
+def _ping(timeout: float = 2.0, op: str = "ping") -> dict | None:
     try:
         with Client(timeout=timeout) as c:
-            return c.request("ping")
+            return c.request(op)
     except (DaemonNotRunning, DaemonError, OSError, TimeoutError):
         return None
+
+
+def _another_holds_the_lock(home, mine: int) -> bool:
+    """Our daemon process ended: was it refused because another one, still starting, holds the lock?"""
+    from . import main as daemon_main  # the daemon's modules, only on this path
+
+    holder = daemon_main.lock_holder(home)
+    return holder is not None and holder != mine and procs.alive(holder, None)
 
 
 def start(args) -> int:
@@ -33,8 +45,7 @@ def start(args) -> int:
         return daemon_main.run(home, args.grace, to_stderr=True)
     running = _ping()
     if running:
-        print(f"eyas daemon already running (pid {running['pid']}) for {home}")
-        return 0
+        return _already(running, home)
     home.mkdir(parents=True, exist_ok=True)
     # Detach: a new session, no terminal, nothing inherited from this shell. Early crashes
     # (before logging is set up) land in daemon.out.
@@ -45,17 +56,31 @@ def start(args) -> int:
         )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        info = _ping()
+        info = _ping(op="status")
+        if info and info["pid"] != proc.pid:
+            # Another start won the race for the state directory's lock, so ours is refused:
+            # wait for it to go, so that one daemon process is left when we return.
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                continue
+            return _already(info, home)
         if info:
-            print(f"eyas daemon started (pid {info['pid']})\n  socket   {paths.socket_path(home)}\n"
+            print(f"eyas daemon started (pid {info['pid']})\n  socket   {info['socket']}\n"
                   f"  database {paths.db_path(home)}\n  log      {home / 'daemon.log'}")
             return 0
-        if proc.poll() is not None:
+        if proc.poll() is not None and not _another_holds_the_lock(home, proc.pid):
             break
         time.sleep(0.1)
     tail = (home / "daemon.out").read_text(errors="replace")[-2000:]
     print(f"eyas daemon did not start (exit {proc.poll()}):\n{tail}", file=sys.stderr)
     return 1
+
+
+def _already(info: dict, home) -> int:
+    # 0: what `start` is for, a daemon serving this state directory, holds.
+    print(f"eyas daemon already running (pid {info['pid']}) for {home}")
+    return 0
 
 
 def stop(args) -> int:

@@ -1,17 +1,26 @@
 """The daemon process itself: `python -m eyas.daemon.main --home DIR` (what
-`eyas daemon start` runs, detached, and `--foreground` runs in place)."""
+`eyas daemon start` runs, detached, and `--foreground` runs in place), one per state directory.
+
+It holds an flock on `<home>/daemon.lock` for its whole life, keeps its socket reachable
+(rebinding it within a second or two when the runtime directory is removed under it) and
+keeps `<home>/daemon.json` naming the socket it serves, for clients that compute another one.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import fcntl
 import logging
 import logging.handlers
 import os
 import signal
 import sys
+import time
 from pathlib import Path
+
+import psutil
 
 from eyas.state import paths, store
 
@@ -24,6 +33,8 @@ log = logging.getLogger("eyas.daemon")
 
 LOG_BYTES = 10 << 20
 LOG_BACKUPS = 5
+# How often the daemon checks that its socket path still reaches it (one lstat).
+SOCKET_CHECK_S = 1.0
 
 
 class AlreadyRunning(RuntimeError):
@@ -31,18 +42,30 @@ class AlreadyRunning(RuntimeError):
 
 
 def acquire_lock(home: Path) -> int:
-    """One daemon per state directory: an exclusive flock the kernel drops when we die."""
+    """One daemon per state directory: an exclusive flock the kernel drops when we die.
+
+    The lock file lives in the state directory (not next to the socket), so a runtime
+    directory removed under a live daemon cannot let a second one onto the same database.
+    """
     path = paths.lock_path(home)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        holder = lock_holder(home) or "?"
         os.close(fd)
         raise AlreadyRunning(f"an eyas daemon (pid {holder}) already runs for {home}") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def lock_holder(home: Path) -> int | None:
+    """The pid the lock file names: the daemon holding the lock, or the last one that did."""
+    try:
+        return int(paths.lock_path(home).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def setup_logging(home: Path, to_stderr: bool) -> Path:
@@ -74,6 +97,13 @@ async def serve(home: Path, grace: float) -> None:
     core.wants = wants
     tail = LogTail(core.groups, server.publish, wants)
     await server.start()
+    me = {"pid": os.getpid(), "create_time": psutil.Process().create_time(), "started": time.time()}
+
+    def serving() -> None:
+        core.served_socket = server.path
+        paths.write_record(home, **me, socket=str(server.path))
+
+    serving()  # a daemon that cannot write its state directory does not start
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, lambda s=sig: (log.info("received %s: stopping", signal.Signals(s).name),
@@ -87,13 +117,44 @@ async def serve(home: Path, grace: float) -> None:
                 log.exception("log tail failed")
             await asyncio.sleep(0.2)
 
+    async def keep_reachable():
+        failed = None  # the last error, logged once rather than every second
+        while True:
+            await asyncio.sleep(SOCKET_CHECK_S)
+            why = server.lost()
+            if why is None:
+                continue
+            old = server.path
+            try:
+                # Computed afresh: the private dirs are made again, under /tmp when the XDG
+                # runtime root itself is gone (paths._runtime_root says why).
+                await server.rebind(paths.socket_path(home))
+            except Exception as exc:  # noqa: BLE001 - this task must outlive any one failure
+                if str(exc) != failed:
+                    log.error("socket %s %s, and binding it again failed: %s; retrying every %.0f s",
+                              old, why, exc, SOCKET_CHECK_S)
+                failed = str(exc)
+                continue
+            failed = None
+            log.warning("socket %s %s; serving again on %s", old, why, server.path)
+            try:
+                serving()
+            except OSError:
+                log.exception("could not record the new socket in %s; clients that compute "
+                              "another path will not find this daemon", paths.record_path(home))
+
     pump = loop.create_task(pump_logs())
-    log.info("eyas daemon %s serving %s (database %s)", os.getpid(), paths.socket_path(home), paths.db_path(home))
+    watch = loop.create_task(keep_reachable())
+    log.info("eyas daemon %s serving %s (database %s)", os.getpid(), server.path, paths.db_path(home))
     try:
         await core.run()
     finally:
         pump.cancel()
+        watch.cancel()
         await server.close()
+        paths.record_path(home).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # our private dir, when nothing else is left in it
+            server.path.parent.rmdir()
         db.conn.close()
         log.info("eyas daemon %s stopped", os.getpid())
 
@@ -108,6 +169,14 @@ def run(home: Path, grace: float, to_stderr: bool) -> int:
     setup_logging(home, to_stderr)
     try:
         asyncio.run(serve(home, grace))
+    except store.DatabaseDamaged as exc:
+        # One line with the file and the fix, not a traceback: nothing here can repair it.
+        # daemon.log gets it too, except in the foreground, where the log also goes to
+        # stderr and would print it twice.
+        if not to_stderr:
+            log.error("%s", exc)
+        print(f"eyas daemon: {exc}", file=sys.stderr)
+        return 1
     finally:
         os.close(lock)
     return 0

@@ -344,44 +344,71 @@ class Server:
 
     async def start(self) -> None:
         """Bind the socket (0600 from the first instant), replacing a stale one, and serve."""
-        self._clear_stale()
+        self._server = await self._listen(self.path)
+        self.log.debug("listening on %s", self.path)
+
+    async def _listen(self, path: Path) -> asyncio.AbstractServer:
+        self._clear_stale(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             old = os.umask(0o177)  # the socket is born 0600: no window with looser permissions
             try:
-                sock.bind(str(self.path))
+                sock.bind(str(path))
             finally:
                 os.umask(old)
-            os.chmod(self.path, 0o600)
-            st = os.stat(self.path)
-            self._inode = (st.st_dev, st.st_ino)
-            self._server = await asyncio.start_unix_server(self._accept, sock=sock, backlog=128)
+            os.chmod(path, 0o600)
+            st = os.stat(path)
+            server = await asyncio.start_unix_server(self._accept, sock=sock, backlog=128)
         except BaseException:
             sock.close()
             raise
-        self.log.debug("listening on %s", self.path)
+        self.path, self._inode = Path(path), (st.st_dev, st.st_ino)
+        return server
 
-    def _clear_stale(self) -> None:
+    def lost(self) -> str | None:
+        """Why the socket path no longer reaches us ("is gone", "was replaced"), or None.
+
+        One lstat: cheap enough to ask every second. A removed directory takes the socket
+        file with it; the listening socket lives on, unreachable by any path.
+        """
+        if self._server is None:
+            return None
         try:
             st = os.lstat(self.path)
         except FileNotFoundError:
+            return "is gone"
+        except OSError as exc:
+            return f"cannot be checked ({exc})"
+        return None if (st.st_dev, st.st_ino) == self._inode else "was replaced"
+
+    async def rebind(self, path: Path) -> None:
+        """Serve on `path` from now on; connections already open are kept."""
+        old = self._server
+        self._server = await self._listen(path)
+        if old is not None:
+            old.close()  # the unreachable listener; asyncio leaves accepted connections open
+
+    def _clear_stale(self, path: Path) -> None:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
             return
         if not stat.S_ISSOCK(st.st_mode):
-            raise FileExistsError(f"{self.path} exists and is not a socket; remove it, then start the daemon again")
+            raise FileExistsError(f"{path} exists and is not a socket; remove it, then start the daemon again")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(2.0)
         try:
-            probe.connect(str(self.path))
+            probe.connect(str(path))
         except (ConnectionRefusedError, FileNotFoundError):
-            self.log.info("removing stale socket %s", self.path)
-            self.path.unlink(missing_ok=True)
+            self.log.info("removing stale socket %s", path)
+            path.unlink(missing_ok=True)
             return
         except (TimeoutError, BlockingIOError):
-            raise DaemonAlreadyRunning(self.path) from None  # alive but its backlog is full
+            raise DaemonAlreadyRunning(path) from None  # alive but its backlog is full
         else:
             pid, _, _ = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                              struct.calcsize("3i")))
-            raise DaemonAlreadyRunning(self.path, pid)
+            raise DaemonAlreadyRunning(path, pid)
         finally:
             probe.close()
 

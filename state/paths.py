@@ -1,10 +1,20 @@
-"""Where eyas keeps its state, its socket and its lock."""
+"""Where eyas keeps its state, its lock, its socket and the record that finds the socket.
+
+The lock (`daemon.lock`) and the record (`daemon.json`) live in the state directory, next to
+the database they guard: the runtime directory that holds the socket can vanish under a live
+daemon (systemd-logind removes `/run/user/<uid>` at the last logout, tmpfiles ages `/tmp`),
+and neither "one daemon per state directory" nor "a client finds the daemon" may depend on it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
+import socket
 import stat
+import tempfile
 from pathlib import Path
 
 
@@ -29,34 +39,117 @@ def attempt_dir(run_id: int, stage: str, attempt: int, base: Path | None = None)
     return runs_dir(base) / str(run_id) / stage / f"attempt-{attempt}"
 
 
-def _private_dir(path: Path) -> Path:
-    """Create `path` as a 0700 directory owned by us, or refuse one that is not private."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
+def lock_path(base: Path | None = None) -> Path:
+    """The daemon's flock: one daemon per state directory, however the runtime directory fares."""
+    return (base or state_dir()) / "daemon.lock"
+
+
+def record_path(base: Path | None = None) -> Path:
+    """The running daemon's record: {pid, create_time, socket, started}, 0600."""
+    return (base or state_dir()) / "daemon.json"
+
+
+def _private_dir(path: Path, create: bool = True) -> Path:
+    """Create `path` as a 0700 directory owned by us, or refuse one that is not ours.
+
+    Never with parents: a missing $XDG_RUNTIME_DIR must stay missing (see _runtime_root).
+    With create=False (clients) nothing is made or changed, but a directory of another user
+    is still refused: whoever owns it could put their own socket there.
+    """
+    if create:
+        path.mkdir(mode=0o700, exist_ok=True)
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        if create:
+            raise
+        return path
     if st.st_uid != os.getuid():
         raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to us ({os.getuid()})")
-    if stat.S_IMODE(st.st_mode) != 0o700:
+    if create and stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(path, 0o700)
     return path
 
 
-def runtime_dir(base: Path | None = None) -> Path:
-    """A private 0700 directory for the socket and the lock of the daemon of `base`.
+def _runtime_root() -> Path:
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    # logind creates $XDG_RUNTIME_DIR at login, removes it when the user's last session ends
+    # and mounts a fresh tmpfs there at the next login. A directory made in its place meanwhile
+    # would be hidden under that mount (and /run/user is root's anyway), so while it is gone
+    # the daemon and its clients both use /tmp, and agree without talking.
+    if xdg and os.path.isdir(xdg):
+        return Path(xdg) / "eyas"
+    return Path("/tmp") / f"eyas-{os.getuid()}"
+
+
+def runtime_dir(base: Path | None = None, create: bool = True) -> Path:
+    """A private 0700 directory for the socket of the daemon of `base`.
 
     One state directory has one daemon, so the directory is keyed by a hash of the state
     path: a short name keeps the socket path under the 108-byte AF_UNIX limit.
     """
     base = base or state_dir()
     key = hashlib.sha1(str(base).encode()).hexdigest()[:12]
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    root = Path(xdg) / "eyas" if xdg else Path("/tmp") / f"eyas-{os.getuid()}"
-    _private_dir(root)
-    return _private_dir(root / key)
+    root = _private_dir(_runtime_root(), create)
+    return _private_dir(root / key, create)
 
 
-def socket_path(base: Path | None = None) -> Path:
-    return runtime_dir(base) / "daemon.sock"
+def socket_path(base: Path | None = None, create: bool = True) -> Path:
+    """Where the daemon of `base` binds its socket (create=False: compute it, make nothing)."""
+    return runtime_dir(base, create) / "daemon.sock"
 
 
-def lock_path(base: Path | None = None) -> Path:
-    return runtime_dir(base) / "daemon.lock"
+def write_record(base: Path, **fields) -> None:
+    """Replace the daemon's record atomically: a reader sees the old one or the new one."""
+    fd, tmp = tempfile.mkstemp(dir=base, prefix=".daemon.json.")  # mkstemp makes it 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(fields, f)
+        os.replace(tmp, record_path(base))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def read_record(base: Path | None = None) -> dict | None:
+    try:
+        record = json.loads(record_path(base).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _answers(path: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except TimeoutError:
+        return True  # there, but its backlog is full: the client's own connect will wait
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def find_socket(base: Path | None = None) -> Path:
+    """The socket a client of the daemon of `base` should use.
+
+    The computed path when something answers there; else the socket the daemon's record names,
+    while the recorded process (pid and create time) lives: the daemon may serve from another
+    runtime directory than this process computes (no $XDG_RUNTIME_DIR in a cron job, a runtime
+    directory removed under it). Else the computed path, so that errors name it.
+    """
+    computed = socket_path(base, create=False)
+    if _answers(computed):
+        return computed
+    record = read_record(base)
+    if not record or not isinstance(record.get("pid"), int) or record.get("create_time") is None \
+            or not isinstance(record.get("socket"), str):
+        return computed
+    # psutil only on this fallback: importing the client stays stdlib-only.
+    from eyas.state import procs
+
+    return Path(record["socket"]) if procs.alive(record["pid"], record["create_time"]) else computed

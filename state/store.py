@@ -14,7 +14,8 @@ from typing import Any, Iterable
 
 import sqlite_utils
 
-from . import machine, queries, schema
+from . import integrity, machine, queries, schema
+from .integrity import DatabaseDamaged  # noqa: F401 - what open_writer raises, for its callers
 
 
 class NotFound(KeyError):
@@ -29,9 +30,19 @@ class StoreMissing(FileNotFoundError):
 
 
 def open_writer(path: Path) -> sqlite_utils.Database:
-    """Open (creating and migrating) the database for the daemon, the only writer."""
+    """Open (creating and migrating) the database for the daemon, the only writer.
+
+    Raises integrity.DatabaseDamaged (one line: the file and the fix) when the file is not a
+    database or `PRAGMA quick_check` finds a damaged page: checked here, before the first
+    write, because the daemon would otherwise run until some write touched the bad page.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     conn = sqlite3.connect(str(path), timeout=30, check_same_thread=False)
+    try:
+        integrity.check(conn, path)
+    except BaseException:
+        conn.close()
+        raise
     db = sqlite_utils.Database(conn)
     db.execute("PRAGMA journal_mode=WAL")
     # NORMAL is durable across process crashes in WAL mode; only power loss can drop the

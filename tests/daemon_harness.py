@@ -32,10 +32,15 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05, what: str
 
 
 def selftest_toml(name: str, ranks: int = 2, options: dict | None = None, max_restarts: int = 0,
-                  backoff: float = 0.1, devices: str = '"cpu"', stall_timeout: float = 0) -> str:
+                  backoff: float = 0.1, devices: str = '"cpu"', stall_timeout: float | None = 0,
+                  exit_timeout: float | None = None) -> str:
+    """A selftest run. The stall watchdog is off unless asked for (tests hang ranks on purpose);
+    None leaves a bound's key out, so the stage's default applies."""
     opts = ", ".join(f"{k} = {json.dumps(v)}" for k, v in (options or {}).items())
+    bounds = "".join(f"{key} = {value}\n" for key, value in (("stall_timeout", stall_timeout),
+                                                            ("exit_timeout", exit_timeout)) if value is not None)
     return (f'name = "{name}"\npipeline = ["selftest"]\n[resources]\nranks = {ranks}\ndevices = {devices}\n'
-            f"[stages.selftest]\nmax_restarts = {max_restarts}\nbackoff = {backoff}\nstall_timeout = {stall_timeout}\n"
+            f"[stages.selftest]\nmax_restarts = {max_restarts}\nbackoff = {backoff}\n{bounds}"
             f"options = {{ {opts} }}\n")
 
 
@@ -207,6 +212,8 @@ def daemon(monkeypatch):
     """A real daemon on a private state directory; torn down with all its ranks."""
     home = short_tmp()
     monkeypatch.setenv("EYAS_HOME", str(home))
+    # It must exist to be used (a missing one means "logged out": /tmp is used instead).
+    (home / "rt").mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(home / "rt"))
     d = Daemon(home).start()
     try:

@@ -22,12 +22,14 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from eyas.daemon import protocol
 from eyas.daemon.client import AsyncClient, Client, DaemonError, DaemonNotRunning
 from eyas.daemon.protocol import Event, ProtocolError
 from eyas.daemon.server import DaemonAlreadyRunning, Server
+from eyas.state import paths
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -738,12 +740,70 @@ def test_daemon_not_running(sockdir):
 
 
 def test_client_default_path_is_the_state_socket(monkeypatch, sockdir):
-    from eyas.state import paths
-
     monkeypatch.setenv("EYAS_HOME", str(sockdir / "home"))
+    (sockdir / "rt").mkdir()
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(sockdir / "rt"))
+    assert not (sockdir / "rt" / "eyas").exists()  # a client computes the path, it makes nothing
     assert Client().path == AsyncClient().path == paths.socket_path()
     assert str(paths.socket_path()).startswith(str(sockdir / "rt" / "eyas"))
+    assert paths.lock_path() == sockdir / "home" / "daemon.lock"  # with the state it guards
+    # A set but missing XDG_RUNTIME_DIR (removed at logout) is neither used nor made again.
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(sockdir / "gone"))
+    assert Client().path.parent.parent == Path("/tmp") / f"eyas-{os.getuid()}"
+    assert not (sockdir / "gone").exists()
+
+
+def test_clients_follow_the_record_while_its_daemon_lives(monkeypatch, sockdir, start_daemon):
+    home = sockdir / "home"
+    home.mkdir()
+    (sockdir / "rt").mkdir()
+    monkeypatch.setenv("EYAS_HOME", str(home))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(sockdir / "rt"))
+    computed = paths.socket_path(home, create=False)
+    elsewhere = start_daemon(path=sockdir / "elsewhere.sock")
+    assert Client().path == computed  # no record
+    created = psutil.Process(elsewhere.pid).create_time()
+    paths.write_record(home, pid=elsewhere.pid, create_time=created, socket=str(elsewhere.path), started=0)
+    assert stat.S_IMODE(paths.record_path(home).stat().st_mode) == 0o600
+    assert Client().path == AsyncClient().path == elsewhere.path
+    assert Client().request("ping")["pid"] == elsewhere.pid
+    # Another process with the recorded pid (a recycled one) is not the daemon.
+    paths.write_record(home, pid=elsewhere.pid, create_time=created - 100, socket=str(elsewhere.path), started=0)
+    assert Client().path == computed
+    # A daemon answering at the computed path comes first.
+    paths.write_record(home, pid=elsewhere.pid, create_time=created, socket=str(elsewhere.path), started=0)
+    here = start_daemon(path=paths.socket_path(home))
+    assert Client().path == computed and Client().request("ping")["pid"] == here.pid
+    assert [p.name for p in home.iterdir()] == ["daemon.json"]  # no temp file left behind
+
+
+async def test_the_server_rebinds_and_keeps_its_connections(sockdir):
+    handler = TestHandler()
+    (sockdir / "a").mkdir()
+    first = sockdir / "a" / "d.sock"
+    server = Server(first, handler, log=logging.getLogger("eyas.test"))
+    handler.server = server
+    await server.start()
+    assert server.lost() is None
+    async with AsyncClient(first) as before:
+        shutil.rmtree(sockdir / "a")
+        assert server.lost() == "is gone"
+        second = sockdir / "b.sock"
+        await server.rebind(second)
+        assert (server.path, server.lost()) == (second, None)
+        assert stat.S_IMODE(second.stat().st_mode) == 0o600
+        assert (await before.request("ping"))["pid"] == os.getpid()  # kept across the rebind
+        async with AsyncClient(second) as after:
+            assert (await after.request("ping"))["pid"] == os.getpid()
+        second.unlink()
+        other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        other.bind(str(second))
+        try:
+            assert server.lost() == "was replaced"
+            await server.close()
+            assert second.exists()  # not ours: close() leaves it
+        finally:
+            other.close()
 
 
 def test_client_sees_a_daemon_that_dies_mid_request(daemon):

@@ -57,7 +57,7 @@ class EyasApp(App):
         self.history = History(self.home, clock)
         self.live = Live()
         self.connect = connect
-        self.link = DaemonLink(socket if socket is not None else paths.socket_path(self.home),
+        self.link = DaemonLink(socket if socket is not None else lambda: paths.find_socket(self.home),
                                self._on_status, self._on_batch, batch_interval=batch_interval)
 
     async def on_mount(self) -> None:

@@ -31,10 +31,13 @@ class LinkStatus:
 
 
 class DaemonLink:
-    def __init__(self, path: Path, on_status: Callable[[LinkStatus], None],
+    def __init__(self, path: Path | Callable[[], Path], on_status: Callable[[LinkStatus], None],
                  on_batch: Callable[[list[Event]], None], *, batch_interval: float = 0.25,
                  min_backoff: float = 0.25, max_backoff: float = 5.0, timeout: float = 10.0):
-        self.path = Path(path)
+        # A callable is asked again before each attempt: the daemon may have moved its socket
+        # (its runtime directory was removed) since the last connection.
+        self._locate = path if callable(path) else None
+        self.path = Path(path) if self._locate is None else None
         self.on_status = on_status
         self.on_batch = on_batch
         self.batch_interval = batch_interval
@@ -57,7 +60,7 @@ class DaemonLink:
     async def request(self, op: str, **args: Any) -> Any:
         """One request to the daemon; DaemonNotRunning when it is not connected."""
         if not self.connected:
-            raise DaemonNotRunning(self.path, "not connected to the eyas daemon; controls come back when it does "
+            raise DaemonNotRunning(self.path or "", "not connected to the eyas daemon; controls come back when it does "
                                               "(start it with `eyas daemon start`)")
         return await self.client.request(op, **args)
 
@@ -71,9 +74,12 @@ class DaemonLink:
         attempts = 0
         ever = False
         while not self._closing:
-            client = AsyncClient(self.path, timeout=self.timeout)
+            client: AsyncClient | None = None
             reason = "the daemon closed the connection"
             try:
+                if self._locate is not None:
+                    self.path = await asyncio.to_thread(self._locate)  # it probes a socket: not on the loop
+                client = AsyncClient(self.path, timeout=self.timeout)
                 await client.connect()
                 sub = await client.subscribe(list(TOPICS))
                 info = await client.request("status")
@@ -89,7 +95,8 @@ class DaemonLink:
                 reason = f"{type(exc).__name__}: {exc}"
             finally:
                 self.client = None
-                await client.close()
+                if client is not None:
+                    await client.close()
             if self._closing:
                 break
             self._flush()
