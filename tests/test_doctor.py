@@ -105,6 +105,7 @@ def verdicts(checks) -> dict[str, str]:
 
 
 VERSIONS_OK = {f"versions: {p}": "pass" for p in ("torch", "transformers", "tokenizers", "speculators", "vllm")}
+DATA_OK = {"data: rows": "pass"}    # write_run's chat.jsonl (tests/test_doctor_data.py has the rest)
 KIMI_IDS = ("ids 2, 30, 58 are the inputs of layers 2, 30, 58; id 61 is the final pre-norm output "
             "(layer 60's output, before the final norm)")
 
@@ -113,7 +114,7 @@ def test_kimi_shaped_target_on_eight_h200s(tmp_path, monkeypatch, tokenizer_file
     target = make_model(tmp_path, "kimi", tokenizer_files)
     fake_gpus(tmp_path, monkeypatch, 8)
     checks = doctor.diagnose(str(write_run(tmp_path, target)))
-    assert verdicts(checks) == {**VERSIONS_OK, **{k: "pass" for k in (
+    assert verdicts(checks) == {**VERSIONS_OK, **DATA_OK, **{k: "pass" for k in (
         "target: config.json", "target: weights", "target: trust_remote_code", "layer ids", "resources: gpus",
         "resources: memory", "resources: disk", "resources: output dir", "tokenizer: load",
         "tokenizer: assistant mask", "adapter: architecture", "adapter: decoder", "adapter: embedding",
@@ -404,7 +405,7 @@ def test_eyas_doctor_prints_json_and_exits_0(tmp_path, tokenizer_files):
     report = json.loads(proc.stdout)
     assert report["verdict"] == "pass"
     assert report["config"] == str(tmp_path / "run.toml")
-    assert len(report["checks"]) == 19 and {c["verdict"] for c in report["checks"]} == {"pass"}
+    assert len(report["checks"]) == 20 and {c["verdict"] for c in report["checks"]} == {"pass"}
     assert [c for c in report["checks"] if c["group"] == "layer ids"][0]["data"] == {"ids": [2, 30, 58, 61],
                                                                                      "num_layers": 61}
 
@@ -424,7 +425,7 @@ def test_eyas_doctor_prints_a_table_with_fixes_and_exits_1(tmp_path, tokenizer_f
     assert f"{'':33}fix: use ids from 0 to 32 (32 is the final pre-norm output)" in lines
     assert f"FAIL  {'tokenizer: chat template':25}  the tokenizer has no chat template" in lines
     assert f"PASS  {'resources: gpus':25}  no GPU visible (NVML reports no device): CPU mode" in lines
-    assert lines[-1] == "fail: 17 passed, 0 warned, 2 failed"
+    assert lines[-1] == "fail: 18 passed, 0 warned, 2 failed"
 
 
 def test_preflight_goes_first_in_every_run_that_reads_a_target(tmp_path, monkeypatch):

@@ -118,7 +118,7 @@ def test_sharegpt_jsonl_with_malformed_rows(tiny, tokenizer, tmp_path):
         "rows_in": 66, "rows_out": 60, "skipped": {r: 1 for r in SKIP_REASONS if r in assets.MALFORMED_LINES},
         "skipped_total": 6, "truncated": 0, "tokens": summary["tokens"],
         "trainable_tokens": summary["trainable_tokens"], "validation_rows": 6, "mask_method": {"generation": 60},
-        "max_length": 256, "target_vocab_size": 512, "data_path": str(data), "data_files": 1,
+        "max_length": 256, "row_byte_limit": 2**20, "target_vocab_size": 512, "data_path": str(data), "data_files": 1,
         "outputs": [str(stage / "dataset"), str(stage / "token_freq.npy"), str(stage / "splits.json")],
     }
     assert list(summary["skipped"]) == [r for r in SKIP_REASONS if r in assets.MALFORMED_LINES]
@@ -304,6 +304,8 @@ def test_each_skip_reason_is_counted_exactly(variant, tmp_path, caplog):
         ("no_trainable_tokens", chat(("user", "Only a question?"))),
         ("no_trainable_tokens", {"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}),
     ]]
+    # Over the row byte limit (1 MiB at max_length 256): skipped unread, whatever it holds.
+    bad += [("too_long", json.dumps(chat(("user", "x" * 2**20), ok)).encode() + b"\n")]
     bad += [("invalid_json", b'{"messages": [}\n'), ("invalid_json", b'{"a": ' + b"[" * 10**5 + b"]" * 10**5 + b"}\n"),
             ("not_utf8", b'{"messages": [{"role": "user", "content": "caf\\udce9"}, '
                          b'{"role": "assistant", "content": "ok"}]}\n')]
@@ -316,10 +318,12 @@ def test_each_skip_reason_is_counted_exactly(variant, tmp_path, caplog):
     folder.mkdir()
     (folder / "a.jsonl").write_bytes(b"".join(lines))
     # A JSON array: a stray byte stays inside its own row; a non-object row is the wrong type.
+    # An element over the row byte limit is skipped before it is rendered.
     (folder / "b.json").write_bytes(b'[' + json.dumps(good[0]).encode() + b', 5, {"conversations": [{"from": "human", '
-                                    b'"value": "caf\xe9"}, {"from": "gpt", "value": "ok"}]}]')
+                                    b'"value": "caf\xe9"}, {"from": "gpt", "value": "ok"}]}, '
+                                    + json.dumps(chat(("user", "y" * 2**20), ok)).encode() + b']')
     expected: dict[str, int] = {}
-    for reason in [r for r, _ in bad] + ["wrong_type", "not_utf8"]:
+    for reason in [r for r, _ in bad] + ["wrong_type", "not_utf8", "too_long"]:
         expected[reason] = expected.get(reason, 0) + 1
     assert set(expected) == set(SKIP_REASONS)  # every reason is exercised
 
@@ -327,7 +331,7 @@ def test_each_skip_reason_is_counted_exactly(variant, tmp_path, caplog):
         summary = run_prepare(config(variant("raising", RAISING), folder), tmp_path / "out")
     assert summary["skipped"] == expected
     assert list(summary["skipped"]) == list(SKIP_REASONS)
-    assert (summary["rows_in"], summary["rows_out"], summary["skipped_total"]) == (len(bad) + 13, 11, len(bad) + 2)
+    assert (summary["rows_in"], summary["rows_out"], summary["skipped_total"]) == (len(bad) + 14, 11, len(bad) + 3)
     logged = caplog.text
     assert "skipped b.json[2] (not_utf8): turn 0's content holds a character that is not UTF-8 text at 3" in logged
     assert "(template_error): TemplateError: no booms" in logged
@@ -449,3 +453,66 @@ def test_data_stages_through_the_daemon(daemon, tiny, tmp_path):  # noqa: F811
     assert "prepare: 306 rows in, 300 out; skipped 6" in log
     human = daemon.cli("show", run_id)
     assert f"prepare: {out / 'prepare' / 'dataset'}" in human.stdout
+
+
+# --- a row far over max_length: skipped unread, memory bounded ------------------------------
+
+_PREPARE_IN_A_CHILD = """
+import json, resource, sys, time
+sys.path.insert(0, sys.argv[1])
+from test_prepare import run_prepare
+from pathlib import Path
+t0 = time.monotonic()
+summary = run_prepare(json.loads(sys.argv[2]), Path(sys.argv[3]))
+print(json.dumps({"summary": summary, "seconds": time.monotonic() - t0,
+                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def write_huge_line_dataset(path: Path, good: list[dict], huge_bytes: int) -> None:
+    """Good rows around one chat row of `huge_bytes` bytes, written a repeated chunk at a time."""
+    head = b'{"messages": [{"role": "user", "content": "'
+    tail = b'"}, {"role": "assistant", "content": "ok"}]}\n'
+    chunk = b"lorem ipsum dolor sit amet " * (2**20 // 27)
+    with open(path, "wb") as f:
+        f.write(b"".join(json.dumps(r).encode() + b"\n" for r in good[:2]))
+        f.write(head)
+        left = huge_bytes - len(head) - len(tail)
+        while left > 0:
+            f.write(chunk[:left])
+            left -= len(chunk)
+        f.write(tail)
+        f.write(b"".join(json.dumps(r).encode() + b"\n" for r in good[2:]))
+
+
+def test_a_200_mb_row_is_skipped_unread_and_memory_stays_bounded(tiny, tmp_path):
+    """Before rows were bounded, prepare rendered and tokenised such a row whole: 22.4 GB RSS and
+    an OOM kill after 6 min 46 s. Now it is counted as too_long without being held whole."""
+    import subprocess
+    import sys
+
+    good = assets.conversations(5, seed=8)
+    data = tmp_path / "huge.jsonl"
+    huge = 200 * 10**6
+    write_huge_line_dataset(data, good, huge)
+    try:
+        assert data.stat().st_size > huge
+        cfg = config(tiny, data, max_length=256)
+        p = subprocess.run([sys.executable, "-c", _PREPARE_IN_A_CHILD, str(Path(__file__).parent), json.dumps(cfg),
+                            str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        result = json.loads(p.stdout.splitlines()[-1])
+    finally:
+        data.unlink()
+    summary = result["summary"]
+    assert (summary["rows_in"], summary["rows_out"], summary["skipped"]) == (6, 5, {"too_long": 1})
+    assert summary["row_byte_limit"] == 2**20
+    # The five good rows, in order, as if the huge one had never been there.
+    rows = rows_of(tmp_path / "out")
+    renderer = MaskedRenderer(load_tokenizer(str(tiny), False))
+    assert rows == [tuple(map(list, renderer.render(messages(c)))) for c in good]
+    log = p.stderr
+    assert f"skipped huge.jsonl:3 (too_long): {huge} bytes of JSON, over the 1048576-byte limit" in log
+    print(f"prepare with a {huge / 1e6:.0f} MB row: peak RSS {result['peak_rss'] / 2**20:.0f} MiB, "
+          f"{result['seconds']:.1f} s")
+    assert result["peak_rss"] < 2**30

@@ -18,6 +18,21 @@ from typing import Any
 
 _counter = itertools.count()
 
+# safetensors (0.7 and later; its Rust core, through the `tempfile` crate) writes every file
+# to a temp file of its own in the target's directory, ".tmp" + 6 random letters and digits,
+# and renames it over the target when done. A kill mid-write leaves that file behind, under a
+# name that says nothing of what it was for. save_pretrained writes through it too.
+LIBRARY_TEMP_PREFIX = ".tmp"
+LIBRARY_TEMP_RANDOM = 6
+
+
+def is_library_temp(name: str) -> bool:
+    """Whether `name` is a temp file a library (safetensors) names itself: ".tmpAbC123".
+    None of eyas's own names look so: `atomic_path`'s end in ".tmp", temp dirs have a "-"."""
+    rest = name[len(LIBRARY_TEMP_PREFIX):]
+    return (name.startswith(LIBRARY_TEMP_PREFIX) and len(rest) == LIBRARY_TEMP_RANDOM
+            and rest.isascii() and rest.isalnum())
+
 
 def _temp_name(path: Path) -> Path:
     # Dot-prefixed so globs like rank-*.json never match a half-written file.

@@ -11,7 +11,8 @@ top of a model directory as weights. No pickle anywhere: no torch.save, no torch
 
 Atomic: everything is written into `.tmp-<name>-<pid>` beside the final name, fsynced, and
 renamed into place, so a directory under its final name is complete, and a kill mid-save
-leaves only a temp directory, which `clean()` removes and `latest()` never considers.
+leaves only a temp directory (safetensors' own temp file inside it), which `clean()` removes
+and `latest()` never considers.
 `best` is a relative symlink to one of them, replaced atomically (os.replace).
 """
 
@@ -58,12 +59,16 @@ class Checkpoint:
 
 
 def clean(root: Path) -> int:
-    """Remove what an interrupted save left (temp dirs, half-swapped dirs, temp links)."""
+    """Remove what an interrupted save left (temp dirs, half-swapped dirs, temp links, and
+    safetensors' own temp files). Only the main rank saves and cleans, before the others look,
+    so nothing here can be a live write."""
     removed = 0
     if not root.is_dir():
         return 0
     for entry in root.iterdir():
-        if entry.name.startswith(_PARTIAL):
+        # Inside a temp dir safetensors' files go with it; one at the top level would be a
+        # library writing straight into checkpoints/.
+        if entry.name.startswith(_PARTIAL) or (atomic.is_library_temp(entry.name) and not entry.is_dir()):
             if entry.is_symlink() or entry.is_file():
                 entry.unlink(missing_ok=True)
             else:

@@ -3,7 +3,12 @@ pre-tokenized rows, each row checked and normalized, or rejected with a reason.
 
 A bad row never raises past this module except as a RowError carrying its reason, so that
 prepare can skip it and count it. Only a file that cannot be split into rows at all (a JSON
-array with a syntax error) stops the stage, with a message naming the file and the fix.
+array with a syntax error, or one too big to parse in memory) stops the stage, with a
+message naming the file and the fix.
+
+Memory stays bounded whatever a file holds: a JSONL line is read at most `row_byte_limit`
+bytes at a time, and a longer one is skipped (counted as too_long) without ever being held
+whole, parsed or rendered; a JSON array file is parsed only up to ARRAY_MAX_BYTES.
 
 Row forms (data.format "auto" tells them apart per row, by their keys):
 - sharegpt:  {"conversations": [{"from": "human"|"gpt"|"system", "value": "..."}]}
@@ -20,10 +25,11 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 # Every reason a row can be skipped for, in the order a summary lists them.
 SKIP_REASONS = (
+    "too_long",             # the row's JSON text is over row_byte_limit(data.max_length) bytes
     "invalid_json",         # the line is not JSON
     "not_utf8",             # the line (or a string in it) is not UTF-8 text
     "wrong_type",           # a value of the wrong JSON type (a turn that is a number, content 42...)
@@ -43,6 +49,29 @@ SKIP_REASONS = (
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
 
 FORMATS = ("auto", "sharegpt", "openai", "tokenized")
+
+# A row is refused unread when its JSON text is over max_length × ROW_BYTES_PER_TOKEN bytes
+# (and over ROW_BYTES_MIN). 64 bytes per token is generous for every real form: chat text runs
+# about 4 bytes per token in English and at most ~12 for CJK or emoji escaped as \uXXXX, and a
+# pre-tokenized row spends ~10 per token ("12345, " plus "1, "); turn keys and roles add a
+# little per turn. Truncation at max_length would keep about a sixteenth of a row over it,
+# at 4 bytes a token, and rendering and tokenising the whole row first is what costs memory:
+# a 200 MB row took prepare to 22 GB before it was cut. The floor keeps long prompts (RAG
+# context, long system prompts) at small max_length values.
+ROW_BYTES_PER_TOKEN = 64
+ROW_BYTES_MIN = 1 << 20
+# A JSON array is one document: json parses all of it at once (its bytes, the decoded text
+# and the Python objects, several times the file's size), so a bigger one is refused with a
+# pointer to JSONL, which is read a line at a time. Streaming an array would need a parser
+# that can also skip an over-long element without building it; the stdlib has none.
+ARRAY_MAX_BYTES = 128 << 20
+# How much of a too-long line is read at a time while skipping to its end.
+SKIP_CHUNK = 1 << 20
+
+
+def row_byte_limit(max_length: int) -> int:
+    """The most bytes of JSON text a row may have for data.max_length = `max_length`."""
+    return max(ROW_BYTES_MIN, max_length * ROW_BYTES_PER_TOKEN)
 _CHAT_KEYS = {"sharegpt": ("conversations", "from", "value"), "openai": ("messages", "role", "content")}
 
 
@@ -102,7 +131,13 @@ def _is_array(data: bytes) -> bool:
     return data.lstrip()[:1] == b"["
 
 
-def _parse_array(path: Path, data: bytes) -> list:
+def _parse_array(path: Path) -> list:
+    size = path.stat().st_size
+    if size > ARRAY_MAX_BYTES:
+        raise DataError(f"{path}: a JSON array of {size / 1e6:.0f} MB is too big to parse in memory (the limit is "
+                        f"{ARRAY_MAX_BYTES / 1e6:.0f} MB); write one JSON object per line (JSONL), which is read a "
+                        f"line at a time, e.g. jq -c '.[]' {path} > {path.with_suffix('.jsonl')}")
+    data = _strip_bom(path.read_bytes())
     # surrogateescape keeps a stray non-UTF-8 byte inside the row it belongs to (as a lone
     # surrogate, found when the row is normalized) instead of failing the whole file.
     try:
@@ -116,35 +151,73 @@ def _parse_array(path: Path, data: bytes) -> list:
     return value if isinstance(value, list) else [value]
 
 
-def count_rows(files: list[Path]) -> int:
+def is_array_file(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return _is_array(_strip_bom(f.read(4096)))
+
+
+def lines(f: BinaryIO, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
+    """(line number, the line, its length in bytes) of every non-blank line of a binary file;
+    the line is None when it is over `limit` bytes: it was read and dropped a chunk at a time,
+    so no more than `limit` bytes of it were ever held.
+
+    readline(size) is the library's bounded read; the rest of a long line is skipped with it
+    too, in SKIP_CHUNK pieces, until the piece that ends with the newline.
+    """
+    lineno = 0
+    while True:
+        line = f.readline(limit + 1)
+        if not line:
+            return
+        lineno += 1
+        if lineno == 1:
+            line = _strip_bom(line)
+        if len(line) > limit and not (len(line) == limit + 1 and line.endswith(b"\n")):
+            length = len(line)
+            while not line.endswith(b"\n"):
+                line = f.readline(SKIP_CHUNK)
+                if not line:
+                    break
+                length += len(line)
+            yield lineno, None, length
+        elif line.strip():
+            yield lineno, line, len(line)
+
+
+def count_rows(files: list[Path], limit: int = ROW_BYTES_MIN) -> int:
     """How many rows `read_rows` will yield (non-blank lines, or array entries)."""
     total = 0
     for path in files:
-        data = _strip_bom(path.read_bytes())
-        if _is_array(data):
-            total += len(_parse_array(path, data))
+        if is_array_file(path):
+            total += len(_parse_array(path))
         else:
-            total += sum(1 for line in data.split(b"\n") if line.strip())
+            with open(path, "rb") as f:
+                total += sum(1 for _ in lines(f, limit))
     return total
 
 
-def read_rows(files: list[Path]) -> Iterator[RawRow]:
-    """Every row of every file, parsed, or carrying why it could not be parsed."""
+def read_rows(files: list[Path], limit: int = ROW_BYTES_MIN) -> Iterator[RawRow]:
+    """Every row of every file, parsed, or carrying why it could not be parsed; a row over
+    `limit` bytes of JSON text (row_byte_limit) carries too_long and is never parsed."""
     for path in files:
         name = path.name
-        with open(path, "rb") as f:
-            head = _strip_bom(f.read(4096))
-        if _is_array(head):
-            for i, value in enumerate(_parse_array(path, _strip_bom(path.read_bytes()))):
-                yield RawRow(f"{name}[{i}]", value)
+        if is_array_file(path):
+            for i, value in enumerate(_parse_array(path)):
+                # The array is parsed already (bounded by ARRAY_MAX_BYTES); what must not
+                # happen to a huge element is rendering and tokenising it. Its size is that of
+                # its JSON text written back, which stays within the file's own size.
+                size = len(json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+                if size > limit:
+                    yield RawRow(f"{name}[{i}]", error=_too_long(size, limit))
+                else:
+                    yield RawRow(f"{name}[{i}]", value)
             continue
         with open(path, "rb") as f:
-            for lineno, line in enumerate(f, 1):
-                if lineno == 1:
-                    line = _strip_bom(line)
-                if not line.strip():
-                    continue
+            for lineno, line, length in lines(f, limit):
                 where = f"{name}:{lineno}"
+                if line is None:
+                    yield RawRow(where, error=_too_long(length, limit))
+                    continue
                 try:
                     text = line.decode("utf-8")
                 except UnicodeDecodeError as exc:
@@ -159,6 +232,12 @@ def read_rows(files: list[Path]) -> Iterator[RawRow]:
                     yield RawRow(where, error=RowError("invalid_json", "nested too deeply to parse"))
                 else:
                     yield RawRow(where, value)
+
+
+def _too_long(size: int, limit: int) -> RowError:
+    return RowError("too_long", f"{size} bytes of JSON, over the {limit}-byte limit for data.max_length "
+                                f"(max_length × {ROW_BYTES_PER_TOKEN}, at least {ROW_BYTES_MIN}); split the row or "
+                                f"raise data.max_length")
 
 
 def _type(value: Any) -> str:

@@ -3,7 +3,8 @@
 `python -m eyas.workers.doctor CONFIG [--json]` is what the CLI execs (the daemon side of eyas
 never imports torch); the preflight stage (stages/preflight.py) runs the same `run_checks`.
 Checks, cheapest first so a broken install is reported in a second:
-versions (doctor_versions) -> target config, weights index, custom code (doctor_target) ->
+versions (doctor_versions) -> the data files prepare will read (doctor_data) ->
+target config, weights index, custom code (doctor_target) ->
 layer ids -> GPUs, memory, disk, output dir (doctor_resources) -> tokenizer and its chat
 template (doctor_tokenizer) -> adapter fit against the backend's classes (doctor_adapter).
 Exit status: 0 when nothing failed (warnings allowed), 1 when a check failed, 2 on bad usage.
@@ -83,6 +84,10 @@ def run_checks(cfg: config.RunConfig, output_dir: str, layer_ids: list | tuple |
     checks: list[Check] = []
     uses_vllm = ("extract" in cfg.pipeline and cfg.extract.backend == "vllm") or "evaluate" in cfg.pipeline
     checks += doctor_versions.check(needs_vllm=uses_vllm)
+    if "prepare" in cfg.pipeline and cfg.data is not None:
+        from eyas.workers import doctor_data
+
+        checks += doctor_data.check(cfg.data)
     if cfg.target is None:
         return checks
     facts, found = doctor_target.read(cfg.target.path)

@@ -186,7 +186,7 @@ def estimate_tokens(cfg: RunConfig, output_dir: str) -> tuple[int | None, str]:
         pass
     if cfg.data is None:
         return None, "no [data] and no prepare summary"
-    from eyas.workers.dataset_reader import DataError, count_rows, data_files
+    from eyas.workers.dataset_reader import DataError, count_rows, data_files, row_byte_limit
 
     try:
         files = data_files(cfg.data.path)
@@ -194,7 +194,10 @@ def estimate_tokens(cfg: RunConfig, output_dir: str) -> tuple[int | None, str]:
         return None, str(exc)
     size = sum(f.stat().st_size for f in files)
     if size <= 8 * SAMPLE_BYTES:
-        rows = count_rows(files)
+        try:
+            rows = count_rows(files, row_byte_limit(cfg.data.max_length))
+        except DataError as exc:    # an array prepare refuses: the data check names it
+            return None, str(exc).partition("; ")[0]
     else:
         # A large dataset: rows from the line density of its first bytes (reading all of it
         # would make the doctor as slow as prepare).

@@ -3,7 +3,8 @@
 One `hs_<idx>.safetensors` per sample, holding `hidden_states` [seq, n_layers, hidden] in the
 target dtype and `token_ids` [seq] int64: what speculators' FileTransfer / ArrowDataset load
 (`<hidden_states_dir>/hs_<idx>.safetensors`). Each file is written through a temp file and a
-rename (workers/atomic.py), so a file that exists is complete, and a resumed attempt may trust it.
+rename (workers/atomic.py), so a file that exists is complete, and a resumed attempt may trust it;
+the temp files a killed attempt leaves (eyas's and safetensors' own) are removed on resume.
 
 The compute loop hands over whole batches and goes on; a thread slices and writes them.
 The queue holds at most `max_pending` batches, so memory stays bounded when the disk is
@@ -43,17 +44,47 @@ def existing(directory: Path) -> set[int]:
     return {int(m.group(1)) for n in names if (m := FILE_RE.fullmatch(n))}
 
 
-def remove_temp_files(directory: Path, indices: set[int]) -> int:
-    """Remove temp files a killed attempt left for `indices`; returns how many."""
+def process_start_time() -> float:
+    """When this process started (unix time)."""
+    import psutil
+
+    return psutil.Process().create_time()
+
+
+def remove_temp_files(directory: Path, indices: set[int], written_before: float | None = None) -> int:
+    """Remove the temp files a killed attempt left: eyas's own for `indices`, and safetensors'
+    (atomic.is_library_temp) last written before `written_before` (default: when this process
+    started); returns how many.
+
+    Ranks share the directory, so each removes only what cannot be a live write: eyas's temp
+    names carry the sample index, and a rank owns its indices. safetensors' names carry
+    nothing, so its files go by age instead: one last written before this rank started was
+    left by an earlier attempt (the daemon tears a group down before it starts the next),
+    while a peer rank of this attempt writes only after it has started and loaded the target.
+    """
+    if written_before is None:
+        written_before = process_start_time()
     removed = 0
     try:
-        entries = list(directory.iterdir())
+        entries = list(os.scandir(directory))
     except FileNotFoundError:
         return 0
-    for path in entries:
-        m = TEMP_RE.fullmatch(path.name)
-        if m and int(m.group(1)) in indices:
-            path.unlink(missing_ok=True)
+    for entry in entries:
+        m = TEMP_RE.fullmatch(entry.name)
+        if m:
+            doomed = int(m.group(1)) in indices
+        elif atomic.is_library_temp(entry.name):
+            try:
+                doomed = entry.is_file(follow_symlinks=False) and entry.stat().st_mtime < written_before
+            except FileNotFoundError:   # a peer removed it first
+                doomed = False
+        else:
+            doomed = False
+        if doomed:
+            try:
+                os.unlink(entry.path)
+            except FileNotFoundError:
+                continue
             removed += 1
     return removed
 

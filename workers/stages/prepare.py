@@ -3,8 +3,10 @@
 Each row is read and checked (workers/dataset_reader.py), rendered with the target's chat
 template into input_ids and an assistant-only loss mask (workers/chat.py), truncated to
 data.max_length, and dropped when nothing in it is trainable. A malformed row is skipped and
-counted by reason; the stage fails only on problems that no row can fix (no data, a template
-that re-renders history, a tokenizer that does not fit the model).
+counted by reason, and so is a row too long to be worth rendering (over
+dataset_reader.row_byte_limit(max_length) bytes), before it is even parsed, which keeps the
+stage's memory bounded whatever the data holds; the stage fails only on problems that no row
+can fix (no data, a template that re-renders history, a tokenizer that does not fit the model).
 
 Outputs, in <output_dir>/prepare/:
 - dataset/          a datasets arrow directory (save_to_disk), one row per kept input row, in
@@ -38,7 +40,7 @@ from eyas.workers import atomic
 from eyas.workers.chat import MaskedRenderer, RenderError, TemplateMismatch, load_tokenizer
 from eyas.workers.config import DataConfig, RunConfig
 from eyas.workers.dataset_reader import (SKIP_REASONS, Chat, RawRow, RowError, count_rows, data_files,
-                                         normalize, read_rows)
+                                         normalize, read_rows, row_byte_limit)
 from eyas.workers.target_vocab import target_vocab_size
 
 log = logging.getLogger("eyas.prepare")
@@ -149,9 +151,11 @@ def build(cfg: RunConfig, dataset_dir: Path, progress=None) -> tuple[dict[str, A
     data, target = cfg.data, cfg.target
     vocab = target_vocab_size(target.path)
     files = data_files(data.path)
-    total = count_rows(files)
-    log.info("prepare: %d rows in %d file(s) under %s; max_length %d, format %s, limit %s",
-             total, len(files), data.path, data.max_length, data.format, data.limit or "none")
+    # Rows over this many bytes are skipped unread (too_long): see dataset_reader.row_byte_limit.
+    row_bytes = row_byte_limit(data.max_length)
+    total = count_rows(files, row_bytes)
+    log.info("prepare: %d rows in %d file(s) under %s; max_length %d (rows over %d bytes skipped), format %s, "
+             "limit %s", total, len(files), data.path, data.max_length, row_bytes, data.format, data.limit or "none")
     if progress:
         progress.update(samples=0, tokens=0, samples_total=total, force=True)
 
@@ -165,7 +169,7 @@ def build(cfg: RunConfig, dataset_dir: Path, progress=None) -> tuple[dict[str, A
 
     rows, skips, methods = _Rows(vocab), _Skips(), Counter()
     rows_in = truncated = 0
-    for raw in read_rows(files):
+    for raw in read_rows(files, row_bytes):
         if data.limit and rows.rows >= data.limit:
             log.info("stopped at data.limit = %d rows", data.limit)
             break
@@ -193,7 +197,7 @@ def build(cfg: RunConfig, dataset_dir: Path, progress=None) -> tuple[dict[str, A
         "skipped_total": sum(skips.counts.values()), "truncated": truncated,
         "tokens": rows.tokens, "trainable_tokens": rows.trainable,
         "validation_rows": len(validation), "mask_method": dict(methods),
-        "max_length": data.max_length, "target_vocab_size": vocab, "data_path": data.path, "data_files": len(files),
+        "max_length": data.max_length, "row_byte_limit": row_bytes, "target_vocab_size": vocab, "data_path": data.path, "data_files": len(files),
     }
     if progress:
         progress.update(samples=rows_in, samples_total=rows_in, tokens=rows.tokens, force=True)
