@@ -66,7 +66,7 @@ def resume(args) -> int:
 
 
 def stacks(args) -> int:
-    from .stacks import dump_of, who
+    from .stacks import dump_of, render, who
 
     r = _request("stacks", run=args.run, **({"stage": args.stage} if args.stage else {}))
     asked = [x for x in r["ranks"] if "offset" in x]
@@ -84,10 +84,10 @@ def stacks(args) -> int:
     for x in r["ranks"]:
         if "skipped" in x:
             print(f"\n{who(x)} (pid {x['pid']}): not dumped: {x['skipped']}")
-        elif dumps.get(x["pid"]):
-            print(f"\n{who(x)} (pid {x['pid']}), also in {x['log_path']}:\n{dumps[x['pid']]}")
-        else:
-            print(f"\n{who(x)} (pid {x['pid']}): no stacks within {args.wait:g} s; if it writes them later, "
-                  f"they are in {x['log_path']}")
-    return 0 if asked and all(dumps.get(x["pid"]) for x in asked) else 1
-
+            continue
+        python = dumps.get(x["pid"]) or (
+            f"(no Python stacks within {args.wait:g} s; if it writes them later, they are in {x['log_path']})")
+        where = f", also in {x['log_path']}" if dumps.get(x["pid"]) else ""
+        print(f"\n{who(x)} (pid {x['pid']}){where}:\n{render(x, python)}")
+    live = [x for x in r["ranks"] if "skipped" not in x]
+    return 0 if live and all(dumps.get(x["pid"]) or x.get("native") for x in live) else 1

@@ -20,7 +20,7 @@ from eyas.state import machine, paths, store
 from eyas.workers import config as run_config
 from eyas.workers import specs
 
-from . import protocol, stacks, stall
+from . import native, protocol, stacks, watchdog
 from .logsplit import LogSplitter
 from .protocol import ProtocolError
 from .sampler import RankRef, Sampler
@@ -114,7 +114,9 @@ class Core:
                            "tok_s": live.get("tok_s"), "eta_s": live.get("eta_s"),
                            "progress": live.get("progress")})
         return {"pid": os.getpid(), "uptime": time.time() - self.started, "home": str(self.home),
-                "socket": str(paths.socket_path(self.home)), "database": str(paths.db_path(self.home)),
+                # The socket the server serves (daemon.main sets it; it moves when rebound).
+                "socket": str(getattr(self, "served_socket", None) or paths.socket_path(self.home, create=False)),
+                "database": str(paths.db_path(self.home)),
                 "active": active, "waiting": {str(k): v for k, v in self.waiting.items()},
                 "gpu": self.sampler.gpu_available}
 
@@ -203,15 +205,17 @@ class Core:
         self._move_stage(run_id, stage, "skipped", "skipped by the user")
         return {"run_id": run_id, "stage": stage}
 
-    def op_stacks(self, run: int, stage: str | None = None) -> dict:
-        """Ask the live ranks of the run's running stage to write their Python stacks to their logs."""
+    async def op_stacks(self, run: int, stage: str | None = None) -> dict:
+        """Ask the live ranks of the run's running stage to write their Python stacks to their
+        logs, and return every live process's native stacks (py-spy) in the reply."""
         run_id = self._run(run)["id"]
         group = self._group_of(run_id, stage)
         if group is None:
             what = f"stage {stage} of run {run_id} is not running" if stage else f"run {run_id} has no running stage"
             raise machine.IllegalTransition(f"{what}: only live ranks have stacks "
                                             f"(a failed rank's traceback: eyas errors {run_id})")
-        ranks = stacks.request([*group.ranks, *group.workers.values()])
+        ranks = await stacks.collect([*group.ranks, *group.workers.values()],
+                                     native_timeout=native.INTERACTIVE_TIMEOUT)
         log.info("run %s: %s attempt %d: stacks requested from %d ranks", run_id, group.stage, group.attempt,
                  sum("offset" in r for r in ranks))
         return {"run_id": run_id, "stage": group.stage, "attempt": group.attempt, "ranks": ranks}
@@ -328,7 +332,7 @@ class Core:
             self._move_stage(run_id, stage, "failed", f"could not start ranks: {exc}")
             return
         self.db["attempts"].update(attempt_id, {"master_port": group.master_port})
-        group.stall_timeout = _stage_value(cfg, stage, "stall_timeout", 0.0)
+        _set_bounds(group, cfg)
         self.groups[attempt_id] = group
         for r in group.ranks:
             store.upsert_rank(self.db, attempt_id, r.rank, monitor_pid=r.monitor_pid,
@@ -366,7 +370,7 @@ class Core:
             if group.teardown_since is None and any(group.counts_as_failure(e) for e in exits):
                 first = group.failures()[0]
                 self._spawn_task(group.teardown(self.grace, f"{_who(first)} failed"))
-            if not group.alive and not group.tearing:
+            if not group.alive and not group.tearing and not (group.collecting and group.cancel_reason is None):
                 if group.workers and not group.leftovers_ended:
                     # The driver ended: its engine's processes end with it, whatever they do.
                     group.leftovers_ended = True
@@ -375,27 +379,13 @@ class Core:
                         continue
                 self._settle_group(group)
 
-    def watch_stalls(self, now: float) -> None:
-        """Fail a group whose attempt directory has not changed for its stall_timeout."""
-        for group in list(self.groups.values()):
-            if group.stall_timeout <= 0 or group.stall is not None or group.teardown_since is not None:
-                continue
-            seen = stall.activity(group.dir)
-            if seen != group.activity:
-                group.activity, group.active_at = seen, now
-            elif now - group.active_at >= group.stall_timeout:
-                quiet = now - group.active_at
-                asked = stacks.request([*group.ranks, *group.workers.values()])
-                group.stall = {"asked": asked, "quiet": quiet, "time": now}
-                why = f"stalled: nothing written for {quiet:.0f} s; collecting stacks, then tearing down"
-                log.warning("run %s: %s attempt %d %s", group.run_id, group.stage, group.attempt, why)
-                self._emit_state(group.run_id, "stage", "running", why, stage=group.stage, attempt=group.attempt)
-                self._spawn_task(self._end_stalled(group))
-
-    async def _end_stalled(self, group: Group) -> None:
-        await asyncio.sleep(stall.STACKS_WAIT)   # the ranks write their stacks meanwhile
-        if self.groups.get(group.attempt_id) is group and group.teardown_since is None:
-            await group.teardown(self.grace, "stalled")
+    def watch_hangs(self, now: float) -> None:
+        """Start ending every group the watchdog finds stuck (daemon/watchdog.py)."""
+        for group in watchdog.check(list(self.groups.values()), now):
+            why = watchdog.summary(group)
+            log.warning("run %s: %s attempt %d %s", group.run_id, group.stage, group.attempt, why)
+            self._emit_state(group.run_id, "stage", "running", why, stage=group.stage, attempt=group.attempt)
+            self._spawn_task(watchdog.end(group, self.grace))
 
     def _record_worker(self, group: Group, w: Rank) -> None:
         """A TP worker registered: a rank of the attempt from now on; its driver is one too."""
@@ -430,9 +420,13 @@ class Core:
             self._record_exit(group, ex)
         failures = group.failures()
         records = [describe_failure(group, ex, self.host) for ex in failures]
-        stalled = group.stall is not None and group.cancel_reason is None
-        if stalled:  # the ranks' own failures, if any, came after the daemon gave up on them
-            records.insert(0, stall.error_record(group, self.host))
+        stuck = watchdog.record(group, self.host)
+        if stuck is not None and group.stuck["kind"] == "stall":
+            # The ranks' own failures, if any, came after the daemon gave up on them.
+            records.insert(0, stuck)
+        elif stuck is not None:
+            # A straggler's own exception, raised before it hung on its way out, stays the cause.
+            records = sorted([*records, stuck], key=lambda rec: rec["time_"])
         for i, rec in enumerate(records):
             store.record_error(self.db, group.attempt_id, root_cause=(i == 0), **rec)
         srow = store.stage_row(self.db, run_id, stage)
@@ -442,7 +436,7 @@ class Core:
         summary_json = json.dumps(summary) if summary is not None else None
         if records:
             rec = records[0]
-            who = "" if stalled else f"{_who(failures[0])} failed: "
+            who = "" if records[0] is stuck else f"{_who(failures[0])} failed: "
             why = f"{who}{rec['type']}" + (f": {rec['message']}" if rec["message"] else "")
             store.move_attempt(self.db, group.attempt_id, "failed", why)
             if group.cancel_reason is None and srow["restarts"] < (srow["max_restarts"] or 0) and not self.stopping:
@@ -556,7 +550,7 @@ class Core:
                 "SELECT max(time) FROM metrics WHERE run_id = ? AND stage = ? AND attempt = ?",
                 [a["run_id"], a["stage"], a["number"]]).fetchone()[0]
             cfg = json.loads(self.db["runs"].get(a["run_id"])["config_json"] or "{}")
-            group.stall_timeout = _stage_value(cfg, a["stage"], "stall_timeout", 0.0)
+            _set_bounds(group, cfg)
             self.groups[a["id"]] = group
             log.info("re-adopted run %s %s attempt %s (%s ranks)", a["run_id"], a["stage"], a["number"], a["world_size"])
 
@@ -604,7 +598,7 @@ class Core:
                 if now - self._last_sample >= SAMPLE_PERIOD:
                     self._last_sample = now
                     self.sample(now)
-                    self.watch_stalls(now)
+                    self.watch_hangs(now)
                 if now - self._last_prune >= PRUNE_PERIOD:
                     self._last_prune = now
                     store.prune_metrics(self.db, max_age_s=METRICS_MAX_AGE, max_rows=METRICS_MAX_ROWS)
@@ -621,6 +615,13 @@ def _stage_value(cfg: dict, stage: str, key: str, default: float) -> float:
     """A [stages.<stage>] setting from a run's config JSON; `default` where the table or key is absent."""
     value = ((cfg.get("stages") or {}).get(stage) or {}).get(key)
     return float(default if value is None else value)
+
+
+def _set_bounds(group: Group, cfg: dict) -> None:
+    """The hang watchdog's bounds of the group's stage: the run's, else the stage spec's."""
+    spec = specs.STAGES[group.stage]
+    group.stall_timeout = _stage_value(cfg, group.stage, "stall_timeout", spec.stall_timeout)
+    group.exit_timeout = _stage_value(cfg, group.stage, "exit_timeout", spec.exit_timeout)
 
 
 def _who(ex: RankExit) -> str:

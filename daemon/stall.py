@@ -1,22 +1,27 @@
-"""The stall watchdog: a stage whose ranks all go quiet is failed, with their stacks as the cause.
+"""The stall rule: a stage whose ranks all go quiet for its stall_timeout is stuck, and this
+module says when and writes the root-cause error.
 
 A rank stuck in a collective, a rendezvous or a deadlocked engine neither exits nor raises; left
-alone it holds the GPUs until a two-hour collective timeout, or for ever. With
-`[stages.<name>] stall_timeout = N` the daemon watches the attempt directory (every rank's log
-and progress file live there): when nothing in it has changed for N seconds, it asks each live
-rank for its Python stacks (daemon/stacks.py), waits STACKS_WAIT for them, and tears the group
-down as failed. The root-cause error is "Stalled", its traceback the ranks' stacks, and
-max_restarts applies as to any failure.
+alone it holds the GPUs until a two-hour collective timeout, or for ever. The daemon watches the
+attempt directory (every rank's log and progress file live there): when nothing in it has
+changed for `[stages.<name>] stall_timeout` seconds (the stage spec's default when unset; 0
+turns the rule off), the watchdog (daemon/watchdog.py) collects every live process's stacks and
+tears the group down as failed. The root-cause error is "Stalled", its traceback the stacks, and
+max_restarts applies as to any failure. Long silent phases (weight load, engine start-up,
+checkpoint save) append heartbeat lines to the progress files, which keeps the directory
+changing; the last heartbeat's phase is named in the message.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
-from .stacks import dump_of, who
+from .stacks import report
 
-STACKS_WAIT = 1.5   # seconds for the signalled ranks to write their stacks before the teardown
+# How much of a progress file's tail is searched for its last heartbeat.
+_TAIL_BYTES = 64 * 1024
 
 
 def activity(directory: Path) -> tuple:
@@ -30,20 +35,58 @@ def activity(directory: Path) -> tuple:
         return ()
 
 
+def check(group, now: float) -> dict | None:
+    """The group's stall, once its directory has been unchanged for its stall_timeout:
+    {"kind": "stall", "time", "quiet", "heartbeat"}; None while it is not stalled."""
+    seen = activity(group.dir)
+    if seen != group.activity:
+        group.activity, group.active_at = seen, now
+        return None
+    if now - group.active_at < group.stall_timeout:
+        return None
+    return {"kind": "stall", "time": now, "quiet": now - group.active_at, "heartbeat": last_heartbeat(group.dir)}
+
+
+def last_heartbeat(directory: Path) -> dict | None:
+    """The newest heartbeat line of any progress file: {"phase", "time", "file"}, or None."""
+    best = None
+    for path in directory.glob("*.progress.jsonl"):
+        for line in reversed(_tail(path).splitlines()):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and rec.get("heartbeat"):
+                if best is None or float(rec.get("time") or 0) > best["time"]:
+                    best = {"phase": str(rec["heartbeat"]), "time": float(rec.get("time") or 0),
+                            "file": path.name.split(".")[0]}
+                break
+    return best
+
+
+def _tail(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - _TAIL_BYTES))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
 def error_record(group, host: str) -> dict:
-    """The root-cause error of a stalled attempt (a supervisor.Group whose `stall` is set)."""
-    asked, parts = group.stall["asked"], []
-    for a in asked:
-        if "offset" in a:
-            parts.append(f"{who(a)} (pid {a['pid']}):\n{dump_of(a) or '(it wrote no stacks in time)'}")
-        elif a["skipped"] != "not running":
-            parts.append(f"{who(a)} (pid {a['pid']}): no stacks: {a['skipped']}")
+    """The root-cause error of a stalled attempt (a supervisor.Group whose `stuck` is a stall)."""
+    stuck = group.stuck
+    asked = stuck.get("asked", [])
     live = [a for a in asked if a.get("skipped") != "not running"]
     first = next((a for a in live if "offset" in a), live[0] if live else asked[0] if asked else {})
+    beat = stuck.get("heartbeat")
+    said = (f"; the last heartbeat was {beat['file'].replace('-', ' ')}'s {beat['phase']!r}, "
+            f"{stuck['time'] - beat['time']:.0f} s before") if beat else ""
     return {
         "rank": first.get("rank"), "pid": first.get("pid"), "host": host, "type": "Stalled",
-        "message": (f"no rank wrote a log line or progress for {group.stall['quiet']:.0f} s "
-                    f"(stages.{group.stage}.stall_timeout = {group.stall_timeout:g}); the live ranks' stacks follow"),
-        "traceback": "\n\n".join(parts), "time_": group.stall["time"], "source": "stall",
+        "message": (f"no rank wrote a log line or progress for {stuck['quiet']:.0f} s "
+                    f"(stages.{group.stage}.stall_timeout = {group.stall_timeout:g}){said}; "
+                    "the live ranks' stacks follow"),
+        "traceback": report(asked, first or None), "time_": stuck["time"], "source": "stall",
         "path": first.get("log_path"),
     }

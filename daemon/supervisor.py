@@ -183,13 +183,16 @@ class Group:
     splitter: LogSplitter | None = None
     leftovers_ended: bool = False    # the driver ranks ended and their leftovers were torn down
     pidfds: dict[int, int] = field(default_factory=dict)   # TP rank -> pidfd watched by the event loop
-    # The stall watchdog (daemon/stall.py): seconds of quiet allowed (0: off), when the attempt
-    # directory last changed and how it looked, and, once stalled, what stacks.request said,
-    # how long it had been quiet and when.
+    # The hang watchdog (daemon/watchdog.py): seconds of quiet allowed (0: off), seconds a
+    # rank may outlive its work or its peers (0: off), when the attempt directory last changed
+    # and how it looked; once stuck, the rule's record (with the stacks under "asked"), and
+    # whether the stacks are still being collected (the group is settled only after).
     stall_timeout: float = 0.0
+    exit_timeout: float = 0.0
     active_at: float = field(default_factory=time.time)
     activity: tuple = ()
-    stall: dict | None = None
+    stuck: dict | None = None
+    collecting: bool = False
 
     # -- start -------------------------------------------------------------------------
 

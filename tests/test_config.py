@@ -227,15 +227,20 @@ options = { fail_at = 5, message = "boom" }
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
 
 
-def test_stall_timeout_is_a_stage_setting_and_must_not_be_negative(tmp_path, monkeypatch):
+@pytest.mark.parametrize("key", ["stall_timeout", "exit_timeout"])
+def test_hang_bounds_are_stage_settings_and_must_not_be_negative(tmp_path, monkeypatch, key):
     monkeypatch.chdir(tmp_path)
-    text = 'name = "st"\npipeline = ["selftest"]\n[stages.selftest]\nstall_timeout = {}\n'
+    text = 'name = "st"\npipeline = ["selftest"]\n[stages.selftest]\n' + key + ' = {}\n'
     cfg = loads(text.format(90))
-    assert cfg.stages["selftest"].stall_timeout == 90.0 and RunConfig.from_dict(cfg.to_dict()) == cfg
+    assert getattr(cfg.stages["selftest"], key) == 90.0 and RunConfig.from_dict(cfg.to_dict()) == cfg
     assert errors(text.format(-1)) == [
-        "run.toml: stages.selftest.stall_timeout: -1 is out of range; use a number >= 0"]
+        f"run.toml: stages.selftest.{key}: -1 is out of range; use a number >= 0"]
     assert errors(text.format('"10m"')) == [
-        "run.toml: stages.selftest.stall_timeout: expected a number, got string '10m'"]
+        f"run.toml: stages.selftest.{key}: expected a number, got string '10m'"]
+    # Unset, it stays unset (the daemon then applies the stage's default), even beside other keys.
+    cfg = loads('name = "st"\npipeline = ["selftest"]\n[stages.selftest]\nmax_restarts = 1\n')
+    assert getattr(cfg.stages["selftest"], key) is None
+    assert cfg.to_dict()["stages"]["selftest"][key] is None
 
 
 def test_misspelled_keys_get_a_suggestion_at_every_level(big_run_dir):

@@ -108,7 +108,11 @@ class EvaluateConfig:
 class StageConfig:
     max_restarts: int | None = None     # None: the stage spec's default
     backoff: float = DEFAULT_BACKOFF    # seconds before the first restart, doubled each time
-    stall_timeout: float = 0.0          # fail the attempt after this long with nothing written; 0: off
+    # The hang bounds (daemon/watchdog.py), in seconds; 0 turns one off, None takes the stage
+    # spec's default. stall_timeout: nothing written for this long; exit_timeout: a rank still
+    # alive this long after its own work or its peers ended.
+    stall_timeout: float | None = None
+    exit_timeout: float | None = None
     ranks: int | None = None            # None: resources.ranks
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -570,6 +574,7 @@ def _check_stages(ck: _Checker, data: dict, pipeline: tuple[str, ...]) -> dict[s
             "max_restarts": lambda k, v: ck.integer(k, v, 0, 100),
             "backoff": lambda k, v: ck.number(k, v, 0.0),
             "stall_timeout": lambda k, v: ck.number(k, v, 0.0),
+            "exit_timeout": lambda k, v: ck.number(k, v, 0.0),
             "ranks": lambda k, v: ck.integer(k, v, 1),
             "options": _check_options(ck),
         })

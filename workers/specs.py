@@ -18,6 +18,12 @@ class StageSpec:
     needs_target: bool = True   # the stage reads the target model
     needs_data: bool = False    # the stage reads the dataset
     gpus: bool = True           # False: runs on CPU (tokenizing, counting, checks) and holds no GPU
+    # The hang bounds' defaults (README, "How it works → Hangs"); a run overrides them in
+    # [stages.<name>], where 0 turns one off. Every legitimately silent phase of a real stage
+    # (weight load, engine start-up, checkpoint save) writes a heartbeat line every ~30 s, so
+    # ten quiet minutes mean a hang, not a slow step.
+    stall_timeout: float = 600.0  # seconds with nothing written to the attempt dir
+    exit_timeout: float = 60.0    # seconds a rank may outlive its own work or its peers
 
 
 STAGES: dict[str, StageSpec] = {
@@ -36,8 +42,9 @@ STAGES: dict[str, StageSpec] = {
         StageSpec("evaluate", "eyas.workers.stages.evaluate:main", "measure acceptance in vLLM",
                   distributed=False),
         # A stage for tests and benchmarks: prints, reports progress, sleeps and fails on demand.
+        # Its short stall default lets tests exercise the watchdog as a run gets it by default.
         StageSpec("selftest", "eyas.workers.stages.selftest:main", "exercise the supervisor",
-                  needs_target=False),
+                  needs_target=False, stall_timeout=20.0),
     )
 }
 
