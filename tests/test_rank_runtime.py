@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -78,7 +79,7 @@ def start_rank(tmp_path):
     started: list[Rank] = []
 
     def start(options: dict | None = None, *, rank: int = 0, world_size: int = 1, attempt: int = 1,
-              stage: str = "selftest", preexec_fn=None) -> Rank:
+              stage: str = "selftest", preexec_fn=None, env: dict[str, str] | None = None) -> Rank:
         attempt_dir = tmp_path / "runs" / "7" / stage / f"attempt-{attempt}"
         attempt_dir.mkdir(parents=True, exist_ok=True)
         output_dir = tmp_path / "out"
@@ -89,6 +90,7 @@ def start_rank(tmp_path):
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511", "EYAS_RUN_ID": "7",
             "EYAS_STAGE": stage, "EYAS_ATTEMPT": str(attempt), "EYAS_ATTEMPT_DIR": str(attempt_dir),
             "EYAS_OUTPUT_DIR": str(output_dir), "EYAS_CONFIG": str(config), "PYTHONUNBUFFERED": "1",
+            **(env or {}),
         }
         log_fd = os.open(attempt_dir / f"rank-{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
@@ -366,3 +368,66 @@ def test_atomic_write_replaces_whole_and_cleans_up_on_failure(tmp_path):
     with atomic.atomic_path(tmp_path / "y.bin") as tmp:
         tmp.write_bytes(b"\x00\x01")  # as safetensors' save_file(tensors, tmp) would
     assert (tmp_path / "y.bin").read_bytes() == b"\x00\x01"
+
+
+# --- the end of a rank ----------------------------------------------------------------------
+
+def test_a_finished_rank_ends_at_once_despite_a_thread_that_never_ends(start_rank):
+    r = start_rank({"steps": 2, "step_time": 0.01, "linger_thread": True})
+    assert r.wait() == 0
+    done, exit_ = r.json("done.json"), r.json("exit.json")
+    assert set(done) == {"pid", "time", "exit_code"}
+    assert (done["pid"], done["exit_code"]) == (exit_["pid"], 0)
+    took = exit_["time"] - done["time"]
+    print(f"rank ended {took:.3f} s after done.json")
+    assert 0 <= took < 2.0, took
+    log = r.log()
+    assert "left a thread that never ends" in log and "eyas.runtime: rank done: exit code 0\n" in log
+
+
+def test_eyas_rank_finalize_keeps_the_interpreter_exit_which_waits_for_the_thread(start_rank):
+    r = start_rank({"steps": 2, "step_time": 0.01, "linger_thread": True}, env={"EYAS_RANK_FINALIZE": "1"})
+    wait_for(lambda: r.file("done.json").exists(), "done.json")
+    assert r.json("done.json")["exit_code"] == 0
+    time.sleep(3.0)
+    assert r.proc.poll() is None, "the rank ended though its non-daemon thread never does"
+    assert not r.file("exit.json").exists()
+    assert "finalising the interpreter (EYAS_RANK_FINALIZE=1)" in r.log()
+
+
+def test_done_json_follows_error_json_on_failure(start_rank):
+    r = start_rank({"fail": "exit", "step_time": 0.01, "linger_thread": True})
+    assert r.wait() == 3
+    error, done = r.json("error.json"), r.json("done.json")
+    assert done["exit_code"] == 3 and done["pid"] == error["pid"]
+    assert error["time"] <= done["time"] <= r.json("exit.json")["time"]
+
+
+# --- heartbeats -------------------------------------------------------------------------------
+
+def test_beating_writes_heartbeats_at_the_interval_and_stops(tmp_path):
+    path = tmp_path / "p.jsonl"
+    writer = ProgressWriter(path)
+    writer.update(samples=1, samples_total=10, tokens=5, tokens_total=50)
+    with writer.beating("load weights", every=0.2):
+        time.sleep(1.1)
+    beats = [r for r in read_new(path, 0)[0] if "heartbeat" in r]
+    assert [set(b) for b in beats] == [{"time", "heartbeat"}] * len(beats)   # no counts
+    assert {b["heartbeat"] for b in beats} == {"load weights"}
+    assert 5 <= len(beats) <= 7, beats     # one at entry, then one every 0.2 s
+    gaps = [b["time"] - a["time"] for a, b in zip(beats, beats[1:])]
+    assert all(0.15 < g < 0.6 for g in gaps), gaps
+    size = path.stat().st_size
+    time.sleep(0.5)
+    assert path.stat().st_size == size      # stopped with the block
+    assert not [t for t in threading.enumerate() if t.name.startswith("heartbeat-")]
+    writer.close()
+
+
+def test_a_silent_phase_writes_only_heartbeats(start_rank):
+    r = start_rank({"steps": 1, "step_time": 0.01, "heartbeat_for": 2.5})
+    assert r.wait() == 0
+    records = r.progress()
+    beats = [x for x in records if "heartbeat" in x]
+    assert len(beats) >= 3 and all(set(b) == {"time", "heartbeat"} for b in beats)
+    assert records[-1]["samples"] == 1

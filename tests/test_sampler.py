@@ -402,6 +402,29 @@ def test_progress_rates_eta_and_pass_through(tmp_path):
     assert res.ranks[(7, 0)] == {"tok_s": 125.0}
 
 
+def test_heartbeat_lines_count_for_nothing(tmp_path):
+    """A rank in a long silent phase writes {"time", "heartbeat"}: no counts, so no rate, ETA or rows."""
+    plain, beating = tmp_path / "rank-0.progress.jsonl", tmp_path / "rank-1.progress.jsonl"
+    plain.write_text(progress_lines(1, 10_000))
+    beats = [json.dumps({"time": 1000.25 + i, "heartbeat": "checkpoint epoch-1"}) for i in range(21)]
+    beating.write_text("".join(f"{a}{b}\n" for a, b in zip(progress_lines(1, 10_000).splitlines(keepends=True),
+                                                            beats)))
+    results = []
+    for path in (plain, beating):
+        s = Sampler(nvml=NoDriverNvml(), rate_window_s=10.0)
+        results.append(s.sample([ref_for(None, tmp_path, progress=path)], now=1020.5))
+    a, b = results
+    assert b.metrics == a.metrics and b.ranks == a.ranks == {(7, 0): {"tok_s": 125.0}}
+    assert b.stages == a.stages
+    assert "heartbeat" not in {m["name"] for m in b.metrics}
+    # Only heartbeats for a while (a long checkpoint): the rate decays as with silence, counts stay.
+    with beating.open("a") as f:
+        f.write("".join(json.dumps({"time": 1021.0 + i, "heartbeat": "checkpoint epoch-1"}) + "\n" for i in range(40)))
+    res = s.sample([ref_for(None, tmp_path, progress=beating)], now=1061.0)
+    assert one(res, "tok_s") == 0.0 and res.ranks[(7, 0)] == {"tok_s": 125.0}
+    assert res.stages[(1, "train")]["tokens"] == 2500
+
+
 def test_progress_half_written_and_corrupt_lines(tmp_path, caplog):
     path = tmp_path / "rank-0.progress.jsonl"
     path.write_text(progress_lines(1, 10_000, upto=2) + '{"time": 1003.0, "tok')

@@ -114,7 +114,9 @@ def summary(ctx) -> dict:
 
 
 def progress_records(ctx) -> list[dict]:
-    return [json.loads(line) for line in (ctx.attempt_dir / "rank-0.progress.jsonl").read_text().splitlines()]
+    """The counting lines; heartbeats (model build, checkpoints) are left out."""
+    lines = [json.loads(line) for line in (ctx.attempt_dir / "rank-0.progress.jsonl").read_text().splitlines()]
+    return [r for r in lines if "heartbeat" not in r]
 
 
 # --- vLLM ----------------------------------------------------------------------------------

@@ -1,19 +1,23 @@
 """Progress lines of one rank: rank-<r>.progress.jsonl, written by the rank, read by the daemon.
 
 Each line is one JSON object: {"time", "samples", "samples_total", "tokens", "tokens_total",
-...metrics}, counts cumulative. The writer appends each line with a single write() on an
-O_APPEND descriptor, so a reader sees whole lines, except for the last one while it is being
-written or after a crash mid-write; the daemon's reader (eyas.daemon.progressfile) leaves
-such a tail for the next call.
+...metrics}, counts cumulative, or a heartbeat {"time", "heartbeat": phase} that says the rank
+is alive in a long silent phase (a weight load, an engine start) and carries no counts. The
+writer appends each line with a single write() on an O_APPEND descriptor, so a reader sees
+whole lines, except for the last one while it is being written or after a crash mid-write;
+the daemon's reader (eyas.daemon.progressfile) leaves such a tail for the next call.
 
-Stdlib only (json, os, time), so that importing it costs a stage nothing.
+Stdlib only (json, os, threading, time), so that importing it costs a stage nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 _COUNTS = ("samples", "samples_total", "tokens", "tokens_total")
@@ -35,6 +39,8 @@ class ProgressWriter:
         self._metrics: dict[str, Any] = {}  # metrics not yet written
         self._pending = False
         self._last_write = float("-inf")
+        # Heartbeats come from a thread of their own (beating); the descriptor is shared.
+        self._lock = threading.Lock()
 
     def update(self, samples: int | None = None, tokens: int | None = None,
                samples_total: int | None = None, tokens_total: int | None = None,
@@ -59,23 +65,56 @@ class ProgressWriter:
         """Write the pending update now, if there is one."""
         if not self._pending:
             return
-        record = {"time": time.time(), **self._counts, **self._metrics}
-        line = (json.dumps(record, default=_jsonable) + "\n").encode("utf-8")
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.write(self._fd, line)  # one write: whole lines for readers (O_APPEND)
+        self._write({"time": time.time(), **self._counts, **self._metrics})
         self._metrics.clear()
         self._pending = False
         self._last_write = time.monotonic()
+
+    def heartbeat(self, phase: str) -> None:
+        """Append {"time", "heartbeat": phase}: alive, in `phase`, with nothing to count yet."""
+        self._write({"time": time.time(), "heartbeat": phase})
+
+    @contextlib.contextmanager
+    def beating(self, phase: str, every: float = 30.0) -> Iterator[None]:
+        """A heartbeat at entry, then one every `every` seconds from a daemon thread, until the block ends.
+
+        For phases that write nothing for minutes, so that the daemon's stall rule and a person
+        reading the file can tell them from a hang. Daemon thread: it must never keep a rank alive.
+        """
+        self.heartbeat(phase)
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(every):
+                try:
+                    self.heartbeat(phase)
+                except OSError:
+                    return  # a full disk must not kill the phase it reports on
+
+        thread = threading.Thread(target=beat, name=f"heartbeat-{phase}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+    def _write(self, record: dict[str, Any]) -> None:
+        line = (json.dumps(record, default=_jsonable) + "\n").encode("utf-8")
+        with self._lock:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.write(self._fd, line)  # one write: whole lines for readers (O_APPEND)
 
     def close(self) -> None:
         """Write the last pending update and close the file; later updates reopen it."""
         try:
             self.flush()
         finally:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            with self._lock:
+                if self._fd is not None:
+                    os.close(self._fd)
+                    self._fd = None
 
     def __enter__(self) -> ProgressWriter:
         return self

@@ -4,7 +4,9 @@ It reads the rank contract's environment into a RankContext, runs the stage's en
 with it, and records an uncaught exception in rank-<r>.error.json (like torchelastic's error
 file) before the traceback reaches the log. A native crash cannot be recorded that way, so
 faulthandler writes its stack into the log instead, and the monitor names the signal.
-Light on purpose: stages import torch themselves.
+When the entry point has returned or its error is recorded, the runtime writes
+rank-<r>.done.json and ends the process at once (`exit_rank`): a finished rank never waits on
+destructors or leftover threads. Light on purpose: stages import torch themselves.
 """
 
 from __future__ import annotations
@@ -217,5 +219,40 @@ def int_or_none(raw: str | None) -> int | None:
         return None
 
 
+def exit_rank(code: int, env: dict[str, str] | None = None) -> None:
+    """Record that the stage is over in rank-<r>.done.json, then end the process with `code`.
+
+    The end is os._exit, without interpreter finalisation: what runs there (destructors of
+    torch's process groups, atexit hooks, the join of every non-daemon thread) has nothing
+    left to save once main() returned, and can hang for ever: a gloo group's destructor waits
+    under the GIL for a gloo thread that needs the GIL, a library's thread never ends, an atexit
+    hook waits for a dead peer. A finished rank must end. main() has closed the progress file
+    and the stages close or join what they write (the hidden-states writer, checkpoints,
+    atomic files); what is still buffered in sys.stdout, sys.stderr or a logging handler is
+    flushed here. EYAS_RANK_FINALIZE=1 keeps the normal interpreter exit, to debug such a
+    destructor; the daemon's straggler rule (stages.<name>.exit_timeout) still bounds it.
+    """
+    environ = os.environ if env is None else env
+    attempt_dir = environ.get("EYAS_ATTEMPT_DIR")
+    if attempt_dir:
+        path = Path(attempt_dir) / f"rank-{environ.get('RANK') or 0}.done.json"
+        try:
+            atomic.write_json(path, {"pid": os.getpid(), "time": time.time(), "exit_code": code})
+        except OSError as exc:
+            print(f"eyas: could not write {path}: {exc}", file=sys.stderr, flush=True)
+    finalize = environ.get("EYAS_RANK_FINALIZE") == "1"
+    log.info("rank done: exit code %d%s", code,
+             "; finalising the interpreter (EYAS_RANK_FINALIZE=1)" if finalize else "")
+    logging.shutdown()      # flushes every handler (the stages log through the root logger's)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):   # closed or broken: nothing left to save there
+            pass
+    if finalize:
+        sys.exit(code)
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

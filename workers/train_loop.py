@@ -27,7 +27,7 @@ import torch
 
 from eyas.workers import checkpoint, train_data, train_model
 from eyas.workers.cpu_share import share_cpus
-from eyas.workers.train_dist import Dist
+from eyas.workers.dist import Dist
 from eyas.workers.train_metrics import Meter, ratios
 
 log = logging.getLogger("eyas.train")
@@ -210,12 +210,13 @@ class Trainer:
         if s.strategy == "fsdp":
             from speculators.train.distributed import apply_fully_sharded
 
-            return apply_fully_sharded(model, param_dtype=self.hs_dtype)
+            return self.dist.track(apply_fully_sharded(model, param_dtype=self.hs_dtype))
         from torch.nn.parallel import DistributedDataParallel
 
         # The vocab maps are constant buffers: synced once at init, never again every forward.
-        return DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if s.device == "cuda" else None,
-                                       forward_sync_buffers=False)
+        return self.dist.track(DistributedDataParallel(
+            model, device_ids=[torch.cuda.current_device()] if s.device == "cuda" else None,
+            forward_sync_buffers=False))
 
     def _state_options(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -274,23 +275,25 @@ class Trainer:
     def _save(self, name: str, pos: _Position) -> None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        opts = self._state_options()
-        msd = get_model_state_dict(self.model, options=opts)      # collective under FSDP
-        osd = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
-        if self.main:
-            t0 = time.monotonic()
-            state = {"name": name, "next_epoch": pos.epoch, "next_step": pos.step, "global_step": pos.global_step,
-                     "total_steps": self.total_steps, "epochs": self.s.epochs, "identity": self.identity,
-                     "scheduler": self.scheduler.state_dict(), "validation": pos.history, "best": pos.best,
-                     "train_loss": pos.train_loss, "time": time.time(),
-                     "rng": {"noise": "normal, from a torch.Generator seeded by (seed, global_step, rank)",
-                             "seed": self.s.seed, "noise_std": self.s.noise_std}}
-            path = checkpoint.save(self.s.checkpoints, name, self.bare, msd, osd, state)
-            if pos.best and pos.best.get("name") == name:
-                checkpoint.set_best(self.s.checkpoints, name)
-            pruned = checkpoint.prune_steps(self.s.checkpoints, keep=name)
-            log.info("checkpoint %s saved in %.1fs%s", path, time.monotonic() - t0,
-                     f" (removed {', '.join(pruned)})" if pruned else "")
+        # Gathering full state dicts and writing them: silent for minutes with a large draft.
+        with self.progress.beating(f"checkpoint {name}"):
+            opts = self._state_options()
+            msd = get_model_state_dict(self.model, options=opts)      # collective under FSDP
+            osd = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+            if self.main:
+                t0 = time.monotonic()
+                state = {"name": name, "next_epoch": pos.epoch, "next_step": pos.step, "global_step": pos.global_step,
+                         "total_steps": self.total_steps, "epochs": self.s.epochs, "identity": self.identity,
+                         "scheduler": self.scheduler.state_dict(), "validation": pos.history, "best": pos.best,
+                         "train_loss": pos.train_loss, "time": time.time(),
+                         "rng": {"noise": "normal, from a torch.Generator seeded by (seed, global_step, rank)",
+                                 "seed": self.s.seed, "noise_std": self.s.noise_std}}
+                path = checkpoint.save(self.s.checkpoints, name, self.bare, msd, osd, state)
+                if pos.best and pos.best.get("name") == name:
+                    checkpoint.set_best(self.s.checkpoints, name)
+                pruned = checkpoint.prune_steps(self.s.checkpoints, keep=name)
+                log.info("checkpoint %s saved in %.1fs%s", path, time.monotonic() - t0,
+                         f" (removed {', '.join(pruned)})" if pruned else "")
         self.dist.barrier()
 
     # -- the run -----------------------------------------------------------------------------
@@ -302,10 +305,20 @@ class Trainer:
         else:
             share_cpus(ctx.world_size)
         self.dist = Dist(ctx, s.device)
+        done = False
         try:
-            return self._run()
+            summary = self._run()
+            done = True
+            return summary
         finally:
-            self.dist.close()
+            # The wrapped model goes before the group does (Dist.close says why); no barrier after
+            # a failure, where the other ranks may be anywhere.
+            self.dist.close(release=self._release, barrier=done)
+
+    def _release(self) -> None:
+        """Drop every reference to the wrapped model: the DDP Reducer or FSDP state must not outlive the group."""
+        for name in ("model", "optimizer", "scheduler", "bare"):
+            self.__dict__.pop(name, None)
 
     def _run(self) -> dict[str, Any]:
         from speculators.losses import resolve_loss_config
@@ -317,7 +330,8 @@ class Trainer:
         self._data()
         self.identity = s.identity(self.layout, ctx.world_size, self.n_train)
         self.loss_config = resolve_loss_config(s.loss, s.loss_implementation)
-        self.bare = self._model()
+        with self.progress.beating("build draft model"):    # reads the target's embeddings and head
+            self.bare = self._model()
         ckpt, pos = self._resume(self.bare)
         self.model = self._wrap(self.bare)
         params = [p for p in self.model.parameters() if p.requires_grad]

@@ -31,6 +31,7 @@ disable_log_stats=False.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -313,7 +314,7 @@ SETTLE_S = 1.5
 
 
 def measure_all(specs: list[Spec], workdir: Path, env: dict[str, str] | None = None, loads_at_once: int = 1,
-                timeout: float | None = None, on_result=None) -> dict[str, dict]:
+                timeout: float | None = None, on_result=None, progress=None) -> dict[str, dict]:
     """Run the measurements in order; their results by label (`on_result(label, result)` is
     called as each one ends).
 
@@ -323,26 +324,36 @@ def measure_all(specs: list[Spec], workdir: Path, env: dict[str, str] | None = N
     generate one at a time, once the whole batch has loaded and gone quiet, each after the one
     before it has exited. With 1 (GPUs, where every engine takes most of the GPU's memory) each
     engine starts after the previous one has exited.
+
+    With a ProgressWriter as `progress`, the rank writes heartbeats while the children load and
+    generate: the engines run in child processes, whose output is no file of the attempt's.
     """
     deadline = time.monotonic() + timeout if timeout else None
     results: dict[str, dict] = {}
     step = max(1, loads_at_once)
     for first in range(0, len(specs), step):
         batch = [Child(spec, workdir, env or {}) for spec in specs[first:first + step]]
+        labels = ", ".join(child.spec.label for child in batch)
         try:
-            for child in batch:
-                child.wait_ready(deadline)
+            with _beating(progress, f"vllm engine start ({labels})"):
+                for child in batch:
+                    child.wait_ready(deadline)
             if len(batch) > 1:
                 time.sleep(SETTLE_S)
             for child in batch:
                 child.go()
-                results[child.spec.label] = child.finish(deadline)
+                with _beating(progress, f"vllm generate ({child.spec.label})"):
+                    results[child.spec.label] = child.finish(deadline)
                 if on_result is not None:
                     on_result(child.spec.label, results[child.spec.label])
         finally:
             for child in batch:
                 child.kill()
     return results
+
+
+def _beating(progress, phase: str):
+    return progress.beating(phase) if progress is not None else contextlib.nullcontext()
 
 
 def measure(spec: Spec, workdir: Path, env: dict[str, str] | None = None, timeout: float | None = None) -> dict:

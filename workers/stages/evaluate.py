@@ -191,7 +191,7 @@ def main(ctx) -> None:
     # On the CPU build the three engines load at once (start-up dominates a tiny model's
     # measurement); on GPUs one at a time, since each takes most of the GPUs' memory.
     results = measure_all(specs, ctx.attempt_dir / "vllm", env, loads_at_once=3 if cpu_build else 1,
-                          on_result=measured)
+                          on_result=measured, progress=progress)
 
     summary, failures = report(results, s, rows, source, trained, baseline, version, cpu_build)
     progress.update(force=True, speedup=summary["speedup"], mismatched_prompts=summary["mismatched_prompts"],

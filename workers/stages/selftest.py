@@ -3,7 +3,11 @@
 It runs `steps` steps of `step_time` seconds, reports progress every step, can flood its log
 at a set rate, resumes where an earlier attempt stopped, and fails on demand in every way a
 real rank can: an exception, an empty exception, sys.exit, a segfault, SIGKILL, leftover
-child processes, or a hang. Options come from config["stages"]["selftest"]["options"].
+child processes, or a hang. It can also misbehave the ways a rank hangs on its way out or
+looks hung while alive: a long silent phase with only heartbeats (heartbeat_for), a rank that
+never returns after its steps (hang_at_end), a non-daemon thread left running (linger_thread),
+and the gloo teardown deadlock (gloo_teardown = "naive"; "safe" is eyas's teardown of the same
+state). Options come from config["stages"]["selftest"]["options"].
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, fields
 
@@ -21,6 +26,7 @@ from eyas.workers import atomic
 log = logging.getLogger("eyas.selftest")
 
 FAIL_MODES = ("raise", "raise-empty", "exit", "segfault", "sigkill", "children", "hang")
+GLOO_TEARDOWNS = ("naive", "safe")
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,10 @@ class Options:
     fail_at_step: int = 0           # fail before doing this step (0-based)
     fail_attempts: tuple[int, ...] | None = None  # None: on every attempt
     summary_on_fail: bool = False   # rank 0 writes summary.json before it fails (as evaluate does)
+    heartbeat_for: float = 0.0      # first, this many seconds of silence but for heartbeats (a weight load)
+    hang_at_end: bool = False       # after its steps, rank fail_rank (-1: all) blocks for ever, writing nothing
+    linger_thread: bool = False     # after its work, leave a non-daemon thread that never ends
+    gloo_teardown: str | None = None  # a gloo group and a DDP model, torn down the old way or eyas's
 
     @classmethod
     def parse(cls, raw: dict) -> Options:
@@ -44,12 +54,18 @@ class Options:
             raise ValueError(f"selftest option {unknown[0]!r} is unknown: use one of {', '.join(sorted(known))}")
         if raw.get("fail") is not None and raw["fail"] not in FAIL_MODES:
             raise ValueError(f"selftest option fail={raw['fail']!r} is unknown: use one of {', '.join(FAIL_MODES)}")
+        if raw.get("gloo_teardown") is not None and raw["gloo_teardown"] not in GLOO_TEARDOWNS:
+            raise ValueError(f"selftest option gloo_teardown={raw['gloo_teardown']!r} is unknown: use one of "
+                             f"{', '.join(GLOO_TEARDOWNS)}")
+        for name in ("hang_at_end", "linger_thread", "summary_on_fail"):
+            if name in raw and not isinstance(raw[name], bool):
+                raise ValueError(f"selftest option {name}={raw[name]!r}: use true or false")
         opts = dict(raw)
         try:
             for name in ("steps", "lines_per_sec", "tokens_per_step", "fail_rank", "fail_at_step"):
                 if name in opts:
                     opts[name] = int(opts[name])
-            for name in ("step_time", "duration"):
+            for name in ("step_time", "duration", "heartbeat_for"):
                 if opts.get(name) is not None:
                     opts[name] = float(opts[name])
             if opts.get("fail_attempts") is not None:
@@ -81,6 +97,10 @@ def main(ctx) -> None:
     tps = opts.tokens_per_step
     ctx.progress.update(samples=start, tokens=start * tps, samples_total=steps,
                         tokens_total=steps * tps, force=True)
+    if opts.heartbeat_for > 0:
+        # Beats far more often than a real phase's 30 s, so that tests of the stall rule stay short.
+        with ctx.progress.beating("selftest heartbeat_for", every=1.0):
+            time.sleep(opts.heartbeat_for)
 
     lines = 0
     with open(done_path, "a") as done:
@@ -101,10 +121,88 @@ def main(ctx) -> None:
     if will_fail and opts.fail_at_step >= steps:
         _fail(opts.fail, ctx, steps)
     ctx.progress.flush()
+    if opts.hang_at_end and opts.fail_rank in (-1, ctx.rank):
+        threading.Event().wait()    # silently: no log line, no progress
+    if opts.gloo_teardown is not None:
+        gloo_teardown(ctx, opts.gloo_teardown)
     if opts.lines_per_sec > 0:
         log.info("wrote %d lines", lines)
     atomic.write_json(ctx.stage_dir / f"rank-{ctx.rank}.result.json",
                       {"steps_run_this_attempt": steps - start, "steps_total": steps})
+    if opts.linger_thread:
+        # Non-daemon: the interpreter's shutdown joins it for ever; only the runtime's os._exit ends the rank.
+        threading.Thread(target=threading.Event().wait, name="selftest-linger").start()
+        log.info("left a thread that never ends")
+
+
+def gloo_teardown(ctx, mode: str) -> None:
+    """Train a tiny DDP model on a gloo group, leave rank 0's gloo thread a collective to free late,
+    and tear down the old way ("naive": rank 0 deadlocks) or through eyas.workers.dist ("safe").
+
+    The deadlock (Dist.close explains it) needs rank 0's gloo worker to free an allreduce, which
+    needs the GIL, while the main thread holds the GIL in the group's destructor. In a real run
+    that is a race a loaded machine loses now and then; here it is forced. Rank 0 lets go of
+    an allreduce that cannot finish before the other ranks join, 2 s later, and holds the GIL
+    meanwhile (a switch interval of days, a busy loop): its gloo worker finishes the allreduce
+    and waits for the GIL, holding the group's work mutex. Then the last owner of the group
+    goes: in "naive", destroy_process_group() came first and the last owner is the DDP Reducer
+    (as when a trainer is freed after the old close), freed with the GIL held, and the rank
+    never gets past it; in "safe", Dist.close's order. The other ranks wait for their allreduce
+    and keep its work, so that they end either way.
+    """
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from eyas.workers.dist import Dist, gloo_threads
+
+    if ctx.world_size < 2:
+        raise ValueError("selftest option gloo_teardown needs 2 or more ranks")
+    group = Dist(ctx, "cpu")
+    torch.manual_seed(0)
+    model = group.track(DistributedDataParallel(torch.nn.Linear(16, 16)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(8, 16)).sum().backward()     # DDP's allreduce of the gradients
+        optimizer.step()
+    late = torch.ones(1 << 20)
+    work = None
+    if ctx.rank == 0:
+        dist.all_reduce(late, async_op=True)     # its work is dropped here: the gloo worker frees it
+    else:
+        time.sleep(2.0)
+        work = dist.all_reduce(late, async_op=True)
+        work.wait()                     # and kept: this rank's worker has nothing to free late
+    log.info("gloo teardown: %s", mode)
+    reducer = None
+    if mode == "naive":
+        dist.destroy_process_group()
+        reducer = model.reducer         # the Reducer outlives the DDP module, as its last C++ owner
+        del model, optimizer
+        gc.collect()
+    switch = sys.getswitchinterval()
+    if ctx.rank == 0:
+        # Keep the GIL from here on: a waiting thread asks the holder to drop it only after the
+        # switch interval, and the busy loop neither sleeps nor does I/O, which would release it.
+        sys.setswitchinterval(1e6)
+        end = time.perf_counter() + 4.0
+        while time.perf_counter() < end:
+            pass
+    t0 = time.perf_counter()            # no log line before the teardown: writing one releases the GIL
+    if mode == "naive":
+        del reducer                     # rank 0: ~Reducer -> ~ProcessGroupGloo, GIL held: deadlock
+    else:
+        def release() -> None:
+            nonlocal model, optimizer
+            model = optimizer = None
+        group.close(release)
+    took = time.perf_counter() - t0
+    sys.setswitchinterval(switch)
+    del work
+    log.info("gloo teardown: done in %.2f s; %d gloo threads left", took, gloo_threads())
 
 
 def _first_undone(done_path, steps: int) -> int:
