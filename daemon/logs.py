@@ -2,7 +2,8 @@
 
 The daemon never pipes rank output (each rank writes `rank-<r>.log` itself), so this reads
 the files directly and works with the daemon down. Files are streamed line by line and
-merged lazily (heapq.merge), so a log of many GiB costs no memory.
+merged lazily (heapq.merge), so a log of many GiB costs no memory. A log cut at its bound
+while followed (state/logcut.py) is followed on from its marker line.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 from eyas.state import paths, queries
+from eyas.state.logcut import Tail
 from eyas.state.logtime import HEAD as _HEAD
 from eyas.state.logtime import TIME as _TIME
 from eyas.state.logtime import from_match as _from_match
@@ -44,11 +46,9 @@ class RankLog:
     def __init__(self, path: Path, rank: int, start: tuple[int, int, int]):
         self.path, self.rank = path, rank
         self.year, self.monthday = str(start[0]), f"{start[1]:02d}-{start[2]:02d}"
-        # newline="\n": a progress bar's "\r" stays inside its line instead of splitting it.
-        self.fh = open(path, encoding="utf-8", errors="replace", newline="\n")
+        self.tail = Tail(path)
         self.time = ""
         self.lineno = 0
-        self.partial = ""
 
     def read(self, final: bool):
         """Yield ((time, rank, line number), text) for each complete line available now.
@@ -75,22 +75,19 @@ class RankLog:
             self.time, self.lineno = t, n
 
     def _chunks(self, final: bool):
-        """The file's new lines, joining a line the writer had left unfinished last time."""
-        partial, self.partial = self.partial, ""
-        for chunk in self.fh:
-            if partial:
-                chunk, partial = partial + chunk, ""
-            if chunk[-1] != "\n" and not final:
-                self.partial = chunk
-                return
-            yield chunk
-        if partial and final:  # the writer is done: what it left unfinished is a line too
-            yield partial
-        elif partial:
-            self.partial = partial
+        """The file's new lines. The Tail hands over complete lines only (or a huge line's
+        pieces), and after a cut at the log's bound goes on from the marker line, which is
+        thus printed. Split on "\n" only: a progress bar's "\r" stays inside its line."""
+        while data := self.tail.read(final):
+            lines = data.decode("utf-8", "replace").split("\n")
+            last = lines.pop()
+            for line in lines:
+                yield line + "\n"
+            if last:
+                yield last
 
     def close(self) -> None:
-        self.fh.close()
+        self.tail.close()
 
 
 class Failure(Exception):

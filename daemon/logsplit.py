@@ -22,6 +22,10 @@ and how long each output was then; it is written (atomically) after the outputs.
 that died in between truncates the outputs back to the recorded sizes and reads on from
 the recorded offset, so no line is lost or doubled.
 
+Bounded as the raw log is: when the driver's monitor cuts the raw log at its bound
+(state/logcut.py), reading goes on from the cut, whose marker line lands in `driver.log`;
+each split log is cut at the same bound by the daemon, their only writer.
+
 It also picks up vLLM's own word on a worker's death, which only vLLM can know (the
 worker's parent, EngineCore, reaps it): `Worker proc VllmWorker-1 died unexpectedly (exit
 code: -9)`, or `(exit code: None)` when vLLM looked before reaping it.
@@ -34,6 +38,8 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
+
+from eyas.state import logcut
 
 _ANSI = rb"(?:\x1b\[[0-9;]*m)*"
 PREFIX = re.compile(_ANSI + rb"\((?P<name>[A-Za-z][\w.-]*(?: (?:rank=\d+|[A-Z]+\d+(?:_[A-Z]+\d+)*))?) pid=(?P<pid>\d+)\)")
@@ -78,7 +84,9 @@ class LogSplitter:
         self.offset = 0
         self.sizes: dict[str, int] = {}
         self.died: dict[int, int | None] = {}   # TP rank -> exit code as vLLM reported it (None: unknown)
+        self.bounds: dict[str, logcut.Bound] = {}
         self._load()
+        self.tail = logcut.Tail(self.source, self.offset)
 
     def _load(self) -> None:
         try:
@@ -104,36 +112,15 @@ class LogSplitter:
     def pump(self, tp_of_pid: Callable[[int], int | None], final: bool = False) -> list[tuple[int, int | None]]:
         """Route the complete lines appended since the last pump (with `final`, a last
         line without its newline too). Returns the worker deaths vLLM reported in them."""
-        try:
-            size = self.source.stat().st_size
-        except FileNotFoundError:
-            return []
-        if size < self.offset:      # the source was replaced: what was split is void
-            self.offset, self.sizes, self.died = 0, {}, {}
-            self._load_fresh()
+        self.tail.offset = self.offset
         died: list[tuple[int, int | None]] = []
-        while size > self.offset:
-            with open(self.source, "rb") as f:
-                f.seek(self.offset)
-                chunk = f.read(min(size - self.offset, CHUNK))
-            end = chunk.rfind(b"\n") + 1
-            if end == 0:
-                if not final and len(chunk) < CHUNK:
-                    break           # a line still being written
-                end = len(chunk)
-            elif final and self.offset + len(chunk) == size:
-                end = len(chunk)    # the source's last bytes, newline or not
-            died += self._route(chunk[:end], tp_of_pid)
-            self.offset += end
+        while chunk := self.tail.read(final, CHUNK):
+            died += self._route(chunk, tp_of_pid)
+            self.offset = self.tail.offset
             self._save()
             if not final:
                 break               # one chunk per pass
         return died
-
-    def _load_fresh(self) -> None:
-        for path in self.dir.glob("tp-*.log"):
-            self._truncate(path, 0)
-        self._truncate(self.dir / "driver.log", 0)
 
     def _route(self, data: bytes, tp_of_pid) -> list[tuple[int, int | None]]:
         out: dict[str, list[bytes]] = {}
@@ -152,10 +139,24 @@ class LogSplitter:
                     died.append((tp, code))
         for name, lines in out.items():
             blob = b"".join(lines)
+            self._bound(name, len(blob))
             with open(self.dir / name, "ab") as f:
                 f.write(blob)
-            self.sizes[name] = self.sizes.get(name, 0) + len(blob)
+            self.sizes[name] = (self.dir / name).stat().st_size   # after a cut too
         return died
+
+    def _bound(self, name: str, coming: int) -> None:
+        """Cut a split log that `coming` bytes would take past the bound the driver's monitor
+        applies to the raw log (it records it in the raw log's cut.json at start). The daemon
+        is these files' only writer, so it cuts before it appends and keeps the newest lines."""
+        bound = self.bounds.get(name)
+        if bound is None:
+            rec = logcut.read_cut(self.source)
+            if not rec.get("max_bytes"):
+                return
+            bound = self.bounds[name] = logcut.Bound(self.dir / name, rec["max_bytes"], rec.get("setting", ""))
+        bound.check(coming)
+        bound.close()
 
     def _save(self) -> None:
         tmp = self.state_path.with_name(f".{self.state_path.name}.{os.getpid()}.tmp")

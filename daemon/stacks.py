@@ -17,6 +17,8 @@ import re
 import signal
 from pathlib import Path
 
+from eyas.state.logcut import Tail
+
 from . import native
 
 # Seconds for signalled ranks to write their Python stacks: faulthandler writes from its C
@@ -135,13 +137,13 @@ def stacks_from(text: str) -> str:
 
 
 def read_from(path: Path, offset: int) -> str:
-    """A log's text from `offset` (where the signal found it) to its end; "" if unreadable."""
+    """A log's text from `offset` (where the signal found it) to its end; "" if unreadable.
+    A log cut at its bound meanwhile is read from its marker line (state/logcut.py)."""
+    tail = Tail(path, offset)
     try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
+        return b"".join(iter(lambda: tail.read(final=True), b"")).decode(errors="replace")
+    finally:
+        tail.close()
 
 
 def who(entry: dict) -> str:

@@ -33,12 +33,13 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05, what: str
 
 def selftest_toml(name: str, ranks: int = 2, options: dict | None = None, max_restarts: int = 0,
                   backoff: float = 0.1, devices: str = '"cpu"', stall_timeout: float | None = 0,
-                  exit_timeout: float | None = None) -> str:
+                  exit_timeout: float | None = None, log_max_mb: float | None = None) -> str:
     """A selftest run. The stall watchdog is off unless asked for (tests hang ranks on purpose);
     None leaves a bound's key out, so the stage's default applies."""
     opts = ", ".join(f"{k} = {json.dumps(v)}" for k, v in (options or {}).items())
     bounds = "".join(f"{key} = {value}\n" for key, value in (("stall_timeout", stall_timeout),
-                                                            ("exit_timeout", exit_timeout)) if value is not None)
+                                                            ("exit_timeout", exit_timeout),
+                                                            ("log_max_mb", log_max_mb)) if value is not None)
     return (f'name = "{name}"\npipeline = ["selftest"]\n[resources]\nranks = {ranks}\ndevices = {devices}\n'
             f"[stages.selftest]\nmax_restarts = {max_restarts}\nbackoff = {backoff}\n{bounds}"
             f"options = {{ {opts} }}\n")

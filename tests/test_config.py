@@ -243,6 +243,21 @@ def test_hang_bounds_are_stage_settings_and_must_not_be_negative(tmp_path, monke
     assert cfg.to_dict()["stages"]["selftest"][key] is None
 
 
+def test_log_max_mb_bounds_rank_logs_and_must_be_a_number_not_below_0(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    text = 'name = "st"\npipeline = ["selftest"]\n[stages.selftest]\nlog_max_mb = {}\n'
+    for value, got in (("2", 2.0), ("0", 0.0), ("0.5", 0.5)):
+        cfg = loads(text.format(value))
+        assert cfg.stages["selftest"].log_max_mb == got and RunConfig.from_dict(cfg.to_dict()) == cfg
+    assert errors(text.format(-1)) == [
+        "run.toml: stages.selftest.log_max_mb: -1 is out of range; use a number >= 0"]
+    assert errors(text.format('"512MB"')) == [
+        "run.toml: stages.selftest.log_max_mb: expected a number, got string '512MB'"]
+    # Unset, the default bound reaches the ranks' config.json.
+    cfg = loads('name = "st"\npipeline = ["selftest"]\n[stages.selftest]\nmax_restarts = 1\n')
+    assert cfg.to_dict()["stages"]["selftest"]["log_max_mb"] == 512
+
+
 def test_misspelled_keys_get_a_suggestion_at_every_level(big_run_dir):
     text = 'pipline = ["selftest"]\ncolour = 1\n' + BASE.replace('path = "model"', 'path = "model"\ndtyp = "float16"') + """
 [train]

@@ -26,6 +26,8 @@ MAX_SHOWN = 64 << 10
 # Stamps are looked for only this far back from a line without one (see `stamp`); beyond,
 # a per-block checkpoint answers, so a log of a million unstamped lines stays cheap.
 BLOCK = 256
+# Bytes kept from the end of what was indexed, to recognise a file cut behind our back.
+_CHECK = 64
 
 def parse_stamp(line: str, year: str, monthday: str) -> str | None:
     """The sortable local time a line starts with, or None (eyas.state.logtime)."""
@@ -50,9 +52,9 @@ def _shown(raw: bytes, length: int) -> str:
 class LogFile:
     """One rank's log: a growing index of line starts, and reads of single lines.
 
-    Thread-safe: one thread indexes (`index_more`) while others read. A file that shrinks or
-    is replaced is indexed afresh and `generation` moves on, so views can drop what they
-    derived from it.
+    Thread-safe: one thread indexes (`index_more`) while others read. A file that shrinks, is
+    cut at its bound (its middle replaced by a marker line) or is replaced is indexed afresh
+    and `generation` moves on, so views can drop what they derived from it.
     """
 
     def __init__(self, path: Path | str, rank: int, start: tuple[int, int, int] = (1970, 1, 1)):
@@ -70,6 +72,7 @@ class LogFile:
     def _reset(self) -> None:
         self._starts = array.array("Q", [0])  # start offset of each line; the last may be EOF
         self._scanned = 0  # bytes examined for newlines
+        self._before = b""  # the last bytes indexed, to notice a cut (see _moved)
         self._stamps: dict[int, str] = {}
         self._checkpoints: list[str] = []  # last stamp in lines [0, (b+1)*BLOCK)
 
@@ -84,7 +87,7 @@ class LogFile:
             self.caught_up = True  # nothing written yet: nothing to wait for
             return 0
         ino = (st.st_dev, st.st_ino)
-        if self._fd is None or ino != self._ino or st.st_size < self._scanned:
+        if self._fd is None or ino != self._ino or st.st_size < self._scanned or self._moved():
             self._reopen(ino)
         if st.st_size <= self._scanned:
             self.caught_up = True
@@ -100,7 +103,15 @@ class LogFile:
         with self._lock:
             self._starts.extend(starts)
             self._scanned = base + len(data)
+        self._before = data[-_CHECK:] if len(data) >= _CHECK else (self._before + data)[-_CHECK:]
         return len(data)
+
+    def _moved(self) -> bool:
+        """True when the bytes last indexed are no longer there: the log was cut at its bound
+        (state/logcut.py) and has grown back past where indexing stopped, so its size alone
+        does not tell. One small pread per look."""
+        n = len(self._before)
+        return n > 0 and os.pread(self._fd, n, self._scanned - n) != self._before
 
     def _reopen(self, ino: tuple[int, int]) -> None:
         if self._fd is not None:

@@ -104,6 +104,9 @@ class EvaluateConfig:
     tensor_parallel_size: int | None = None
 
 
+LOG_MAX_MB = 512   # stages.<name>.log_max_mb's default; the rank monitor reads it from here too
+
+
 @dataclass(frozen=True)
 class StageConfig:
     max_restarts: int | None = None     # None: the stage spec's default
@@ -113,6 +116,8 @@ class StageConfig:
     # alive this long after its own work or its peers ended.
     stall_timeout: float | None = None
     exit_timeout: float | None = None
+    # Each rank log's bound in MiB (state/logcut.py): past it the middle is cut; 0: unbounded.
+    log_max_mb: float = LOG_MAX_MB
     ranks: int | None = None            # None: resources.ranks
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -575,6 +580,7 @@ def _check_stages(ck: _Checker, data: dict, pipeline: tuple[str, ...]) -> dict[s
             "backoff": lambda k, v: ck.number(k, v, 0.0),
             "stall_timeout": lambda k, v: ck.number(k, v, 0.0),
             "exit_timeout": lambda k, v: ck.number(k, v, 0.0),
+            "log_max_mb": lambda k, v: ck.number(k, v, 0.0),
             "ranks": lambda k, v: ck.integer(k, v, 1),
             "options": _check_options(ck),
         })

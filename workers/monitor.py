@@ -4,20 +4,25 @@ The daemon starts it as the leader of a new session, with stdout and stderr alre
 rank's log. It runs the rank runtime as its child, forwards SIGTERM/SIGINT/SIGHUP to it,
 and when the child ends writes rank-<r>.exit.json. The exit status is thus kept on disk even
 while the daemon is down, and a death by signal is named even though nothing in the dead
-process could say so. It must start fast: stdlib + psutil only.
+process could say so. It also keeps the log under `stages.<stage>.log_max_mb` (LogBound).
+It must start fast: stdlib + psutil only.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import psutil
 
+from eyas.state.logcut import MIB, Bound
 from eyas.workers import atomic
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -83,6 +88,63 @@ class _Forwarder:
         self.send(sig)
 
 
+# How often the log's size is looked at. Between two looks a flood can pass the bound by at
+# most this long's output; a look is one fstat, so even 8 monitors cost nothing measurable.
+CHECK_S = 0.5
+
+
+def log_bound(stage: str | None, config_path: str | None) -> tuple[float, str]:
+    """The rank log's bound in MiB (0: none) from the run config, and how to name the setting."""
+    value = None
+    try:
+        stages = json.loads(Path(config_path).read_text()).get("stages") or {} if config_path else {}
+        value = (stages.get(stage) or {}).get("log_max_mb")
+    except (OSError, ValueError, AttributeError):
+        pass
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+        # Imported only here, off the start path (this runs in LogBound's thread): config
+        # takes ~40 ms to import, and the default lives with the key's declaration.
+        from eyas.workers.config import LOG_MAX_MB
+        value = LOG_MAX_MB
+    return value, f"stages.{stage}.log_max_mb = {value:g}"
+
+
+class LogBound(threading.Thread):
+    """Cuts the rank's log (state/logcut.py) whenever it passes the bound.
+
+    Why this way: every writer of the log (the runtime, vLLM's workers, faulthandler) holds
+    it O_APPEND, so truncating it back to its head puts their next writes after the marker
+    without anyone reopening anything, and the rank never waits on the monitor: it writes
+    straight to the file, as before. A pipe through the monitor would make the monitor copy
+    every byte and block the rank whenever it fell behind. The thread is a daemon thread:
+    it dies with the monitor.
+    """
+
+    def __init__(self, path: Path, stage: str | None, config_path: str | None):
+        super().__init__(name="eyas-log-bound", daemon=True)
+        self.path, self.stage, self.config_path = path, stage, config_path
+        self.max_bytes = 0
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        mb, setting = log_bound(self.stage, self.config_path)
+        self.max_bytes = int(mb * MIB)
+        try:
+            out, log = os.fstat(1), os.stat(self.path)
+        except OSError:
+            return
+        # Only the log the daemon gave us: a monitor run by hand with stdout elsewhere cuts nothing.
+        if self.max_bytes <= 0 or not stat.S_ISREG(out.st_mode) or (out.st_dev, out.st_ino) != (log.st_dev, log.st_ino):
+            return
+        bound = Bound(self.path, self.max_bytes, setting)
+        try:
+            bound.record()
+        except OSError:
+            pass
+        while not self.halt.wait(CHECK_S):
+            bound.check()
+
+
 def main() -> int:
     rank = os.environ.get("RANK") or "0"
     if not os.environ.get("EYAS_ATTEMPT_DIR"):
@@ -108,6 +170,7 @@ def main() -> int:
         print(f"eyas: rank {rank}: could not start the rank runtime: {exc}", file=sys.stderr, flush=True)
         return 1
     forwarder.attach(proc)
+    LogBound(attempt_dir / f"rank-{rank}.log", os.environ.get("EYAS_STAGE"), os.environ.get("EYAS_CONFIG")).start()
     try:
         atomic.write_json(attempt_dir / f"rank-{rank}.proc.json", {
             "monitor_pid": os.getpid(),

@@ -66,14 +66,17 @@ def main() -> int:
         reader.start()
         pids = wait_for(lambda: (p := [r["pid"] for r in d.ranks(run_id)]) and len(p) == RANKS and all(p) and p, 60)
         ranks = [psutil.Process(p) for p in pids]
+        monitors = [p.parent() for p in ranks]   # each rank's monitor, which also bounds its log
         time.sleep(1.0)  # past start-up, into the flood
         t0, d0 = time.monotonic(), cpu_seconds(daemon_proc)
         r0 = sum(cpu_seconds(p) for p in ranks)
+        m0 = sum(cpu_seconds(p) for p in monitors)
         window = seconds - 3.0
         time.sleep(window)
         wall = time.monotonic() - t0
         daemon_cpu = cpu_seconds(daemon_proc) - d0
         ranks_cpu = sum(cpu_seconds(p) for p in ranks if p.is_running()) - r0
+        monitors_cpu = sum(cpu_seconds(p) for p in monitors if p.is_running()) - m0
         run = d.wait_run(run_id, timeout=seconds + 120)
         stop.set()
         client.close()
@@ -95,6 +98,7 @@ def main() -> int:
     print(f"{RANKS} ranks x {RATE:,} lines/s for {seconds:.0f} s ({run['state']}); measured over {wall:.1f} s")
     print(f"  daemon CPU / wall:   {share:.3f}  (target <= {CPU_TARGET:.2f}: {'PASS' if share <= CPU_TARGET else 'FAIL'})")
     print(f"  ranks' CPU / wall:   {ranks_cpu / wall:.2f}  (daemon/ranks CPU ratio {daemon_cpu / max(ranks_cpu, 1e-9):.3f})")
+    print(f"  monitors' CPU / wall: {monitors_cpu / wall:.4f}  (all {RANKS} together)")
     print(f"  every line in its log exactly once: {'PASS' if complete else 'FAIL'}")
     print(f"  subscriber latency:  p99 {lat_p99 * 1000:.0f} ms, max {lat_max * 1000:.0f} ms over {len(latencies)} chunks, "
           f"{sum(received.values()):,} lines streamed (target max <= {LATENCY_TARGET:.0f} s: "

@@ -72,6 +72,7 @@ class LogsScreen(EyasScreen):
         self._error_scans: dict[int, Scan] | None = None
         self._jump_error = jump_error
         self._seen = -1
+        self._generations: dict[LogFile, int] = {}  # each log's generation as last told (_tell_cuts)
         self._ready = False
         self._status_text = ""
         self.dir: Path | None = None
@@ -199,9 +200,20 @@ class LogsScreen(EyasScreen):
         if w.version != self._seen:
             self._seen = w.version
             view.sync()
+            self._tell_cuts()
         self._status()
         if self._error_scans is not None and all(s.done for s in self._error_scans.values()):
             self._finish_error_jump()
+
+    def _tell_cuts(self) -> None:
+        """Say when a shown log was cut at its bound (or replaced): the lines the view held
+        moved, and the marker line in the log says what was dropped."""
+        for f in self._shown_files():
+            seen = self._generations.setdefault(f, f.generation)
+            if f.generation != seen:
+                self._generations[f] = f.generation
+                self.notify(f"{f.path.name} was cut at its bound (log_max_mb): its middle was dropped; "
+                            "the line \"eyas: ··· cut … bytes here\" marks where", severity="warning")
 
     def _header(self) -> None:
         head = Text.assemble((f"{self.stage_name} attempt {self.attempt_no}", "bold"), "  ")
