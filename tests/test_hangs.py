@@ -189,3 +189,30 @@ def test_the_straggler_rule_counts_from_done_json_or_from_the_last_peer(tmp_path
     group.ranks[1].exit = RankExit(1, 101, 0, None, 200.0)
     group.exit_timeout, group.stall_timeout = 0.0, 0.0        # both bounds off: nothing is ever stuck
     assert watchdog.check([group], 10_000.0) == []
+
+
+async def test_a_vllm_tp_worker_gets_native_stacks_though_it_has_no_python_dump(tmp_path):
+    """A TP worker writes into its driver's log, so it is never signalled for faulthandler's
+    dump; py-spy reads it from outside instead, Python frames included."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from eyas.daemon import stacks
+    from eyas.daemon.supervisor import Rank
+
+    code = "import time\ndef engine_step():\n    time.sleep(60)\nprint('up', flush=True)\nengine_step()\n"
+    worker = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline() == "up\n"
+        rank = Rank(3, tmp_path / "tp-1.log", 0, None, None, worker.pid, psutil.Process(worker.pid).create_time(),
+                    role="tp-worker", tp_rank=1)
+        (entry,) = await stacks.collect([rank], python_wait=0.1)
+        text = stacks.report([entry])
+    finally:
+        worker.kill()
+        worker.wait()
+    assert text.startswith(f"TP worker 1 (pid {worker.pid}):\nno Python stacks: a vLLM TP worker writes")
+    assert "native stacks (py-spy dump --native):" in text
+    assert "engine_step" in text and "sleep" in text      # the Python frame and the native call under it
