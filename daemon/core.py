@@ -5,6 +5,7 @@ up to date; it is the only writer of the store."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
@@ -20,11 +21,12 @@ from eyas.state import machine, paths, store
 from eyas.workers import config as run_config
 from eyas.workers import specs
 
-from . import native, protocol, stacks, watchdog
+from . import diskfull, intent, native, protocol, settle, stacks, watchdog
 from .logsplit import LogSplitter
 from .protocol import ProtocolError
 from .sampler import RankRef, Sampler
-from .supervisor import Group, Rank, RankExit, _read_json, describe_failure
+from .settle import who as _who
+from .supervisor import Group, Rank, RankExit, _read_json
 
 log = logging.getLogger("eyas.daemon.core")
 
@@ -47,7 +49,9 @@ class Core:
         self.wants = wants or (lambda topic: False)
         self.host = socket.gethostname()
         self.groups: dict[int, Group] = {}           # attempt id -> live group
-        self.restart_at: dict[tuple[int, str], float] = {}
+        # A full state directory (daemon/diskfull.py): no attempt starts while it lasts.
+        self.disk = diskfull.Condition(home)
+        self._held: list[dict] | None = None       # state events of the open transaction
         self.waiting: dict[int, str] = {}            # run id -> why it waits
         self.started = time.time()
         self.stopping = False
@@ -60,8 +64,30 @@ class Core:
     # -- recording, with events out to subscribers -----------------------------------------
 
     def _emit_state(self, run_id: int, entity: str, new: str, reason: str, stage=None, attempt=None) -> None:
-        self.publish("state", {"run_id": run_id, "stage": stage, "attempt": attempt, "entity": entity,
-                               "to_state": new, "reason": reason, "time": time.time()})
+        event = {"run_id": run_id, "stage": stage, "attempt": attempt, "entity": entity,
+                 "to_state": new, "reason": reason, "time": time.time()}
+        if self._held is not None:
+            self._held.append(event)
+        else:
+            self.publish("state", event)
+
+    @contextlib.contextmanager
+    def transaction(self):
+        """One store transaction, nested ones joining it; its state events go out to the
+        subscribers only once it has committed, so that none announces a rolled-back change."""
+        if self._held is not None:
+            with self.db.atomic():
+                yield
+            return
+        self._held = []
+        try:
+            with self.db.atomic():
+                yield
+            events = self._held
+        finally:
+            self._held = None
+        for event in events:
+            self.publish("state", event)
 
     def _move_run(self, run_id: int, new: str, reason: str, **fields) -> None:
         store.move_run(self.db, run_id, new, reason, **fields)
@@ -96,6 +122,12 @@ class Core:
             raise ProtocolError(protocol.ILLEGAL, str(exc)) from None
         except store.NotFound as exc:
             raise ProtocolError(protocol.NOT_FOUND, str(exc)) from None
+        except Exception as exc:
+            if not diskfull.is_full(exc):
+                raise
+            self.disk.mark(f"serving {req.op}", exc)
+            raise ProtocolError(protocol.STATE_FULL, f"state directory full: {self.disk.state.what}; "
+                                f"{req.op} was not done (free space in {self.home} and try again)") from None
         # Anything else is eyas's own bug: the server logs its traceback and replies
         # "internal", rather than passing it off as the caller's bad request.
         finally:
@@ -118,7 +150,7 @@ class Core:
                 "socket": str(getattr(self, "served_socket", None) or paths.socket_path(self.home, create=False)),
                 "database": str(paths.db_path(self.home)),
                 "active": active, "waiting": {str(k): v for k, v in self.waiting.items()},
-                "gpu": self.sampler.gpu_available}
+                "gpu": self.sampler.gpu_available, "full": self.disk.status()}
 
     def _run(self, run: Any) -> dict:
         if isinstance(run, bool) or not isinstance(run, (int, str)) or not str(run).strip().isdigit():
@@ -140,14 +172,16 @@ class Core:
             stages.append({"name": name, "max_restarts": max_restarts,
                            "world_size": run_config.stage_world_size(cfg, name)})
         model = Path(cfg.target.path).name if getattr(cfg.target, "path", None) else None
-        run_id = store.create_run(self.db, name=cfg.name, model=model, stages=stages, config=data,
-                                  config_path=str(Path(config_path).absolute()))
-        run_dir = paths.runs_dir(self.home) / str(run_id)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        # The folder first, then the row that records it: the id is one no folder on disk
+        # has (paths.claim_run_dir), whatever the database remembers.
+        last = self.db.execute("SELECT max(id) FROM runs").fetchone()[0] or 0
+        run_id, run_dir = paths.claim_run_dir(last + 1, self.home)
         output_dir = Path(cfg.output_dir) if cfg.output_dir else run_dir / "out"
         data["output_dir"] = str(output_dir)
         (run_dir / "config.json").write_text(json.dumps(data, indent=2))
-        self.db["runs"].update(run_id, {"output_dir": str(output_dir)})
+        store.create_run(self.db, name=cfg.name, model=model, stages=stages, config=data,
+                         config_path=str(Path(config_path).absolute()), output_dir=str(output_dir),
+                         run_id=run_id, dir=str(run_dir))
         self._emit_state(run_id, "run", "pending", "submitted")
         log.info("run %s submitted: %s (%s)", run_id, cfg.name, ", ".join(cfg.pipeline))
         return {"run_id": run_id, "stages": list(cfg.pipeline), "output_dir": str(output_dir)}
@@ -173,15 +207,15 @@ class Core:
         group = self._group_of(run_id, stage)
         target = stage or (group.stage if group else None)
         if group is not None:
-            self._cancel_group(group, "stopped by the user")
+            intent.stop(self, group, "stopped by the user")
             return {"run_id": run_id, "stage": group.stage, "stopping": True}
         if target is None:
             target = self._stage_or_default(run_id, None, ("running", "pending"))
         srow = store.stage_row(self.db, run_id, target)
-        self.restart_at.pop((run_id, target), None)
-        self._move_stage(run_id, target, "cancelled", "stopped by the user")
-        if srow["state"] == "running" or stage is None:
-            self._finish_run(run_id, "cancelled", f"stage {target} stopped by the user")
+        with self.transaction():    # the stage and its run together (a pending restart goes with the move)
+            self._move_stage(run_id, target, "cancelled", "stopped by the user")
+            if srow["state"] == "running" or stage is None:
+                self._finish_run(run_id, "cancelled", f"stage {target} stopped by the user")
         return {"run_id": run_id, "stage": target, "stopping": False}
 
     def op_retry(self, run: int, stage: str | None = None) -> dict:
@@ -190,9 +224,10 @@ class Core:
         if row["state"] not in ("pending", "running"):
             machine.check("run", row["state"], "pending", f"run {run_id}")
         stage = self._stage_or_default(run_id, stage, ("failed", "cancelled"))
-        self._move_stage(run_id, stage, "pending", "retry requested", restarts=0)
-        if row["state"] in ("failed", "cancelled"):
-            self._move_run(run_id, "pending", f"retry of {stage} requested")
+        with self.transaction():    # both or neither: a pending stage of a failed run never starts
+            self._move_stage(run_id, stage, "pending", "retry requested", restarts=0)
+            if row["state"] in ("failed", "cancelled"):
+                self._move_run(run_id, "pending", f"retry of {stage} requested")
         return {"run_id": run_id, "stage": stage}
 
     def op_skip(self, run: int, stage: str) -> dict:
@@ -225,10 +260,11 @@ class Core:
         run_id = row["id"]
         machine.check("run", row["state"], "pending", f"run {run_id}")
         again = []
-        for s in self.db["stages"].rows_where("run_id = ? and state in ('failed','cancelled')", [run_id]):
-            self._move_stage(run_id, s["name"], "pending", "run resumed", restarts=0)
-            again.append(s["name"])
-        self._move_run(run_id, "pending", "resumed by the user")
+        with self.transaction():
+            for s in self.db["stages"].rows_where("run_id = ? and state in ('failed','cancelled')", [run_id]):
+                self._move_stage(run_id, s["name"], "pending", "run resumed", restarts=0)
+                again.append(s["name"])
+            self._move_run(run_id, "pending", "resumed by the user")
         return {"run_id": run_id, "stages": again}
 
     async def op_shutdown(self, grace: float | None = None) -> dict:
@@ -271,8 +307,10 @@ class Core:
         self.waiting.pop(run_id, None)
 
     def schedule(self) -> None:
-        """Start what can start: the next stage of each run, queued behind device holders."""
-        if self.stopping:
+        """Start what can start: the next stage of each run, queued behind device holders.
+        Nothing starts while the state directory is full, and a running stage without a live
+        group starts again only when the store holds its restart's due time (intent.py)."""
+        if self.stopping or self.disk.full:
             return
         now = time.time()
         for run in self.db["runs"].rows_where("state in ('pending','running')", order_by="created_at, id"):
@@ -286,7 +324,11 @@ class Core:
                 if s["state"] in ("failed", "cancelled"):
                     self._finish_run(run_id, s["state"], f"stage {s['name']} {s['state']}")
                     break
-                due = self.restart_at.get((run_id, s["name"]))
+                due = s["restart_at"]
+                if s["state"] == "running" and due is None:
+                    # No policy called for another attempt: the record of the last one is
+                    # not written yet, or a restart was refused; never start one unasked.
+                    break
                 if due is not None and due > now:
                     break
                 self._start_stage(run, cfg, s)
@@ -307,37 +349,47 @@ class Core:
                 self._emit_state(run_id, "run", run["state"], why)
             return
         self.waiting.pop(run_id, None)
-        self.restart_at.pop((run_id, stage), None)
-        if run["state"] == "pending":
-            self._move_run(run_id, "running", f"starting {stage}")
-        if s["state"] == "pending":
-            self._move_stage(run_id, stage, "running", "started")
         number = (s["attempts"] or 0) + 1
-        attempt_dir = paths.attempt_dir(run_id, stage, number, self.home)
-        output_dir = Path(run["output_dir"] or paths.runs_dir(self.home) / str(run_id) / "out")
+        # Everything under the run's recorded folder, never one rebuilt from its id; a new
+        # attempt's folder is one that does not exist yet (Group.spawn creates it exclusively).
+        run_dir = paths.run_dir(run, self.home)
+        attempt_dir = paths.unused(run_dir / stage / f"attempt-{number}")
+        output_dir = Path(run["output_dir"] or run_dir / "out")
         output_dir.mkdir(parents=True, exist_ok=True)
         port_hint = None
-        attempt_id, number = store.new_attempt(self.db, run_id, stage, dir=str(attempt_dir),
-                                               world_size=world_size, devices=devices, master_port=port_hint)
+        # The run's, the stage's and the attempt's start in one transaction, before any spawn:
+        # a restarted daemon finds the attempt (and re-adopts or settles it), or nothing at all.
+        with self.transaction():
+            if run["state"] == "pending":
+                self._move_run(run_id, "running", f"starting {stage}")
+            if s["state"] == "pending":
+                self._move_stage(run_id, stage, "running", "started")
+            attempt_id, number = store.new_attempt(self.db, run_id, stage, dir=str(attempt_dir),
+                                                   world_size=world_size, devices=devices, master_port=port_hint)
         try:
             group = Group.spawn(run_id=run_id, stage=stage, attempt_id=attempt_id, attempt=number,
                                 dir=attempt_dir, world_size=world_size, devices=devices,
                                 output_dir=output_dir,
-                                config_path=paths.runs_dir(self.home) / str(run_id) / "config.json")
+                                config_path=run_dir / "config.json")
         except OSError as exc:
             # The daemon could not even start the processes: that is the root cause.
-            store.record_error(self.db, attempt_id, rank=None, type=type(exc).__name__, message=str(exc),
-                               traceback="", time_=time.time(), root_cause=True, source="spawn")
-            store.move_attempt(self.db, attempt_id, "failed", f"could not start ranks: {exc}")
-            self._move_stage(run_id, stage, "failed", f"could not start ranks: {exc}")
+            with self.transaction():
+                store.record_error(self.db, attempt_id, rank=None, type=type(exc).__name__, message=str(exc),
+                                   traceback="", time_=time.time(), root_cause=True, source="spawn")
+                store.move_attempt(self.db, attempt_id, "failed", f"could not start ranks: {exc}")
+                self._move_stage(run_id, stage, "failed", f"could not start ranks: {exc}")
             return
-        self.db["attempts"].update(attempt_id, {"master_port": group.master_port})
+        # Supervised from here on, whether or not its rows can be written (a full disk): a
+        # restarted daemon finds the ranks by their proc files or environment (intent.py).
         _set_bounds(group, cfg)
         self.groups[attempt_id] = group
-        for r in group.ranks:
-            store.upsert_rank(self.db, attempt_id, r.rank, monitor_pid=r.monitor_pid,
-                              monitor_create_time=r.monitor_create_time, host=self.host, device=r.device,
-                              state="running", started_at=time.time(), log_path=str(r.log_path))
+        with self._noting_full(f"recording the ranks of run {run_id} {stage} attempt {number}"):
+            with self.transaction():
+                self.db["attempts"].update(attempt_id, {"master_port": group.master_port})
+                for r in group.ranks:
+                    store.upsert_rank(self.db, attempt_id, r.rank, monitor_pid=r.monitor_pid,
+                                      monitor_create_time=r.monitor_create_time, host=self.host, device=r.device,
+                                      state="running", started_at=time.time(), log_path=str(r.log_path))
         self._emit_state(run_id, "attempt", "running", f"attempt {number} started", stage=stage, attempt=number)
         log.info("run %s: %s attempt %s started with %s ranks (devices %s)", run_id, stage, number,
                  world_size, devices or "cpu")
@@ -349,6 +401,17 @@ class Core:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    @contextlib.contextmanager
+    def _noting_full(self, what: str):
+        """Run a write that may be lost without harm (the settlement writes the same again):
+        a full disk is noted on the condition and supervision goes on; other errors propagate."""
+        try:
+            yield
+        except Exception as exc:
+            if not diskfull.is_full(exc):
+                raise
+            self.disk.mark(what, exc)
 
     def _cancel_group(self, group: Group, reason: str) -> None:
         if group.teardown_since is None:
@@ -364,9 +427,12 @@ class Core:
                     group.watch(r)
                     self._record_worker(group, r)
                 else:
-                    store.upsert_rank(self.db, attempt_id, r.rank, pid=r.pid, create_time=r.create_time)
+                    with self._noting_full(f"recording rank {r.rank}'s pid in eyas.db"):
+                        store.upsert_rank(self.db, attempt_id, r.rank, pid=r.pid, create_time=r.create_time)
             for ex in exits:
-                self._record_exit(group, ex)
+                # The teardown below must start even when the exit cannot be written yet.
+                with self._noting_full(f"recording rank {ex.rank}'s exit in eyas.db"):
+                    self._record_exit(group, ex)
             if group.teardown_since is None and any(group.counts_as_failure(e) for e in exits):
                 first = group.failures()[0]
                 self._spawn_task(group.teardown(self.grace, f"{_who(first)} failed"))
@@ -408,54 +474,12 @@ class Core:
         self._emit_state(group.run_id, "rank", state, _exit_text(ex), stage=group.stage, attempt=group.attempt)
 
     def _settle_group(self, group: Group) -> None:
+        """Record the group's end (daemon/settle.py); it leaves memory only once that is written."""
+        if not settle.settle(self, group, time.time()):
+            return
         del self.groups[group.attempt_id]
-        try:
-            self.sample(time.time(), [group], final=True)
-        except Exception:
-            log.exception("final sample of run %s %s failed", group.run_id, group.stage)
         self.sampler.forget(group.attempt_id)
         self.stage_live.pop((group.run_id, group.stage), None)
-        run_id, stage = group.run_id, group.stage
-        for ex in group.settle_workers():
-            self._record_exit(group, ex)
-        failures = group.failures()
-        records = [describe_failure(group, ex, self.host) for ex in failures]
-        stuck = watchdog.record(group, self.host)
-        if stuck is not None and group.stuck["kind"] == "stall":
-            # The ranks' own failures, if any, came after the daemon gave up on them.
-            records.insert(0, stuck)
-        elif stuck is not None:
-            # A straggler's own exception, raised before it hung on its way out, stays the cause.
-            records = sorted([*records, stuck], key=lambda rec: rec["time_"])
-        for i, rec in enumerate(records):
-            store.record_error(self.db, group.attempt_id, root_cause=(i == 0), **rec)
-        srow = store.stage_row(self.db, run_id, stage)
-        # The stage's summary is its last finished attempt's, a failed one's included (evaluate
-        # records its figures, then fails on a lossless mismatch: the figures stay beside the error).
-        summary = _read_json(group.dir / "summary.json")
-        summary_json = json.dumps(summary) if summary is not None else None
-        if records:
-            rec = records[0]
-            who = "" if records[0] is stuck else f"{_who(failures[0])} failed: "
-            why = f"{who}{rec['type']}" + (f": {rec['message']}" if rec["message"] else "")
-            store.move_attempt(self.db, group.attempt_id, "failed", why)
-            if group.cancel_reason is None and srow["restarts"] < (srow["max_restarts"] or 0) and not self.stopping:
-                n = srow["restarts"] + 1
-                backoff = self._backoff(run_id, stage) * (2 ** (n - 1))
-                self.db["stages"].update(srow["id"], {"restarts": n})
-                self.restart_at[(run_id, stage)] = time.time() + backoff
-                self._emit_state(run_id, "stage", "running",
-                                 f"restart {n} of {srow['max_restarts']} in {backoff:.1f}s after {why}", stage=stage)
-                return
-            self._move_stage(run_id, stage, "failed", why, summary_json=summary_json)
-            self._finish_run(run_id, "failed", f"{stage}: {why}")
-        elif group.cancel_reason is not None:
-            store.move_attempt(self.db, group.attempt_id, "cancelled", group.cancel_reason)
-            self._move_stage(run_id, stage, "cancelled", group.cancel_reason)
-            self._finish_run(run_id, "cancelled", f"{stage}: {group.cancel_reason}")
-        else:
-            store.move_attempt(self.db, group.attempt_id, "succeeded", "every rank exited 0")
-            self._move_stage(run_id, stage, "succeeded", "every rank exited 0", summary_json=summary_json)
         self.poke()
 
     def _backoff(self, run_id: int, stage: str) -> float:
@@ -487,7 +511,7 @@ class Core:
                 group.seen.update(pids)
         store.insert_metrics(self.db, result.metrics)
         attempt_of = {(g.run_id, g.stage): g.attempt_id for g in groups}
-        with self.db.conn:
+        with self.db.atomic():
             for (attempt_id, rank), fields in result.ranks.items():
                 self.db.execute(
                     "UPDATE ranks SET " + ", ".join(f"{k} = ?" for k in fields) + " WHERE attempt_id = ? AND rank = ?",
@@ -527,20 +551,22 @@ class Core:
         for a in self.db["attempts"].rows_where("state = 'running'"):
             attempt_dir = Path(a["dir"])
             group = Group(a["run_id"], a["stage"], a["id"], a["number"], attempt_dir, a["world_size"],
-                          json.loads(a["devices"] or "[]"), a["master_port"] or 0)
+                          json.loads(a["devices"] or "[]"), a["master_port"] or 0,
+                          started_at=a["started_at"] or time.time())
             rows = {r["rank"]: r for r in self.db["ranks"].rows_where("attempt_id = ?", [a["id"]])}
             for r in range(a["world_size"]):
                 row = rows.get(r) or {}
                 proc = _read_json(attempt_dir / f"rank-{r}.proc.json") or {}
                 mpid = row.get("monitor_pid") or proc.get("monitor_pid")
                 mct = row.get("monitor_create_time") or proc.get("monitor_create_time")
+                if not mpid and (found := intent.find_monitor(group, r)) is not None:
+                    mpid, mct = found
                 rank = Rank(r, attempt_dir / f"rank-{r}.log", mpid or 0, mct, None,
                             row.get("pid") or proc.get("pid"), row.get("create_time") or proc.get("create_time"),
                             row.get("device"))
                 if row.get("state") in ("exited", "failed", "killed"):
                     rank.exit = RankExit(r, rank.pid, row.get("exit_code"), row.get("signal"),
-                                         row.get("ended_at") or time.time(),
-                                         _read_json(attempt_dir / f"rank-{r}.error.json"))
+                                         row.get("ended_at") or time.time(), group.rank_error(rank))
                 rank.role = row.get("role")
                 group.ranks.append(rank)
             self._recover_workers(group, rows.values())
@@ -552,7 +578,20 @@ class Core:
             cfg = json.loads(self.db["runs"].get(a["run_id"])["config_json"] or "{}")
             _set_bounds(group, cfg)
             self.groups[a["id"]] = group
+            intent.resume(self, group, a)
             log.info("re-adopted run %s %s attempt %s (%s ranks)", a["run_id"], a["stage"], a["number"], a["world_size"])
+
+    def check_run_folders(self) -> None:
+        """Warn, once at start, about run folders that no run of the database records: the
+        database was deleted or an older backup restored since they were written. They are
+        another history's logs and outputs: left alone, and new runs get ids above them."""
+        known = {paths.run_dir(row, self.home).resolve() for row in self.db.query("SELECT id, dir FROM runs")}
+        unknown = sorted(i for i, path in paths.folder_ids(self.home).items() if path.resolve() not in known)
+        if unknown:
+            log.warning("%s holds %d run folder%s that the database does not know (ids %s): written before "
+                        "the database was deleted or restored from a backup; they are left alone, and new "
+                        "runs get ids above them", paths.runs_dir(self.home), len(unknown),
+                        "" if len(unknown) == 1 else "s", _id_ranges(unknown))
 
     @staticmethod
     def _recover_workers(group: Group, rows) -> None:
@@ -568,7 +607,7 @@ class Core:
                      row.get("device"), role="tp-worker", tp_rank=k, started_at=row.get("started_at"))
             if row.get("state") in ("exited", "failed", "killed"):
                 w.exit = RankExit(row["rank"], w.pid, row.get("exit_code"), row.get("signal"),
-                                  row.get("ended_at") or time.time(), _read_json(group.dir / f"tp-{k}.error.json"),
+                                  row.get("ended_at") or time.time(), group.tp_error(w),
                                   unexpected=row.get("state") == "failed", tp_rank=k)
             group.workers[k] = w
         if group.workers and group.ranks:
@@ -579,32 +618,53 @@ class Core:
         self.stopping = True
         grace = self.grace if grace is None else grace
         for g in list(self.groups.values()):
+            if g.teardown_since is None:
+                # Durable first (intent.py): killed during the teardown, the daemon still
+                # settles these attempts as cancelled when it starts again.
+                with self._noting_full(f"recording the stop of run {g.run_id} {g.stage}"):
+                    store.record_cancel(self.db, g.attempt_id, "the daemon was stopped")
             g.cancel_reason = g.cancel_reason or "the daemon was stopped"
         await asyncio.gather(*(g.teardown(grace, "the daemon was stopped") for g in list(self.groups.values())))
         self.supervise()
         self._shutdown_done.set()
 
+    def _step(self, what: str, fn, *args, **kwargs) -> None:
+        """One step of the supervision loop. The daemon survives its own bugs (logged) and a
+        full state directory (noted on the condition, retried with backoff); it keeps supervising."""
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:
+            if diskfull.is_full(exc):
+                self.disk.mark(what, exc)
+            else:
+                log.exception("%s pass failed", what)
+
     async def run(self) -> None:
         """The supervision loop: 20 Hz rank checks, scheduling on change, 1 Hz sampling."""
         self._shutdown_done = asyncio.Event()
         self.recover()
+        try:
+            self.check_run_folders()
+        except OSError:
+            log.exception("could not look through %s for run folders", paths.runs_dir(self.home))
         while not self._shutdown_done.is_set():
             now = time.time()
-            try:
-                self.supervise()
-                if self._dirty.is_set() or now - self._last_sample >= SAMPLE_PERIOD:
-                    self._dirty.clear()
-                    self.schedule()
-                if now - self._last_sample >= SAMPLE_PERIOD:
-                    self._last_sample = now
-                    self.sample(now)
-                    self.watch_hangs(now)
-                if now - self._last_prune >= PRUNE_PERIOD:
-                    self._last_prune = now
-                    store.prune_metrics(self.db, max_age_s=METRICS_MAX_AGE, max_rows=METRICS_MAX_ROWS)
-            except Exception:
-                # The daemon survives its own bugs: log, and keep supervising.
-                log.exception("supervision pass failed")
+            # Each step on its own: one that fails (a bug, a full disk) must not stop the
+            # others, the hang watchdog least of all.
+            self._step("supervision", self.supervise)
+            if self._dirty.is_set() or now - self._last_sample >= SAMPLE_PERIOD:
+                self._dirty.clear()
+                self._step("scheduling", self.schedule)
+            if now - self._last_sample >= SAMPLE_PERIOD:
+                self._last_sample = now
+                self._step("checking free space", self.disk.check, now)
+                if not self.disk.full:      # metrics wait for space; the record comes first
+                    self._step("writing metrics to eyas.db", self.sample, now)
+                self._step("hang watch", self.watch_hangs, now)
+            if now - self._last_prune >= PRUNE_PERIOD and not self.disk.full:
+                self._last_prune = now
+                self._step("pruning metrics", store.prune_metrics, self.db, max_age_s=METRICS_MAX_AGE,
+                           max_rows=METRICS_MAX_ROWS)
             try:
                 await asyncio.wait_for(self._dirty.wait(), timeout=0.05)
             except asyncio.TimeoutError:
@@ -624,8 +684,15 @@ def _set_bounds(group: Group, cfg: dict) -> None:
     group.exit_timeout = _stage_value(cfg, group.stage, "exit_timeout", spec.exit_timeout)
 
 
-def _who(ex: RankExit) -> str:
-    return f"TP rank {ex.tp_rank}" if ex.tp_rank is not None else f"rank {ex.rank}"
+def _id_ranges(ids: list[int]) -> str:
+    """Sorted ids, runs of consecutive ones shortened: [1, 2, 3, 7] -> "1-3, 7"."""
+    spans: list[list[int]] = []
+    for i in ids:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def _running(rank: Rank) -> bool:

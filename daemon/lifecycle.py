@@ -127,6 +127,10 @@ def status(args) -> int:
     print(f"eyas daemon running (pid {info['pid']}, up {_duration(info['uptime'])})")
     print(f"  socket   {info['socket']}\n  database {info['database']}")
     print(f"  GPUs     {'NVML' if info.get('gpu') else 'none (CPU figures only)'}")
+    if info.get("full"):
+        # Said first: while it lasts no attempt starts and ends are recorded only once space returns.
+        print(f"  state directory full: {info['full']['what']} (since {_duration(time.time() - info['full']['since'])}"
+              " ago; no attempt starts, records wait for space)")
     if not info["active"]:
         print("  no active runs")
     for a in info["active"]:

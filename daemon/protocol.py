@@ -49,6 +49,7 @@ NOT_FOUND = "not_found"
 ILLEGAL = "illegal_transition"
 INVALID_CONFIG = "invalid_config"
 INTERNAL = "internal"
+STATE_FULL = "state_full"      # the state directory is full: nothing was done, try again later
 
 
 class ProtocolError(ValueError):

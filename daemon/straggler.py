@@ -18,7 +18,6 @@ native and Python stacks as its traceback.
 from __future__ import annotations
 
 from .stacks import report
-from .supervisor import _read_json
 
 
 def check(group, now: float) -> dict | None:
@@ -28,8 +27,8 @@ def check(group, now: float) -> dict | None:
         if r.exit is not None or r.role == "tp-worker":
             continue
         since = []
-        done = _read_json(group.dir / f"rank-{r.rank}.done.json")
-        if done is not None and done.get("time") is not None and (r.pid is None or done.get("pid") in (None, r.pid)):
+        done = group.own_record(f"rank-{r.rank}.done.json", {r.pid}, pid_unknown=r.pid is None)
+        if done is not None and done.get("time") is not None:
             since.append((float(done["time"]), "its stage function returned"))
         peers = [p for p in group.ranks if p is not r]
         if peers and all(p.exit is not None and not p.exit.failed for p in peers):

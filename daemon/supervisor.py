@@ -21,11 +21,17 @@ them down with it, and settles their failures:
 The root cause is still the earliest failure, so a worker's error, which comes first, wins
 over the driver's re-raised `Worker failed with error ''`. The driver's combined log is
 split into `tp-<k>.log` and `driver.log` (logsplit.py).
+
+An attempt's directory is created by `spawn` and by nothing else, so no other run's files can
+be in it; still, a record is believed only when it is this attempt's (`Group.own_record`): an
+exit, done or error file whose pid is not the process it describes, or whose stage or attempt
+is another's, is ignored and logged, and the rank is settled by what is known of it otherwise.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -50,6 +56,8 @@ log = logging.getLogger("eyas.daemon.supervisor")
 
 # How much of a log's tail is read to find a native crash's stack.
 _TAIL_BYTES = 64 * 1024
+# How far a record's time may precede its attempt's start and still be the attempt's (clock steps).
+_CLOCK_SLACK = 1.0
 
 
 def free_port() -> int:
@@ -193,6 +201,12 @@ class Group:
     activity: tuple = ()
     stuck: dict | None = None
     collecting: bool = False
+    ignored: set = field(default_factory=set)    # records refused by own_record, each logged once
+    # The settlement (daemon/settle.py): what the end was, read once, and when to try again
+    # to record it after a write failed (the group stays in memory until it is recorded).
+    account: object | None = None
+    settle_retry_at: float = 0.0
+    settle_retries: int = 0
 
     # -- start -------------------------------------------------------------------------
 
@@ -200,7 +214,14 @@ class Group:
     def spawn(cls, *, run_id: int, stage: str, attempt_id: int, attempt: int, dir: Path,
               world_size: int, devices: list[int], output_dir: Path, config_path: Path | None,
               extra_env: dict[str, str] | None = None) -> "Group":
-        dir.mkdir(parents=True, exist_ok=True)
+        dir.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            # Exclusively: a folder that exists holds another run's or attempt's files (a
+            # database lost or restored reissues ids), and not one byte may mix with them.
+            dir.mkdir()
+        except FileExistsError:
+            raise FileExistsError(errno.EEXIST, f"attempt directory {dir} already exists; eyas never "
+                                  "writes into another attempt's directory") from None
         group = cls(run_id, stage, attempt_id, attempt, dir, world_size, devices, free_port())
         group.oom_before = oom.oom_kill_count()
         for r in range(world_size):
@@ -232,7 +253,7 @@ class Group:
         if devs:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devs))
         log_path = self.dir / f"rank-{r}.log"
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
         try:
             popen = subprocess.Popen(
                 specs.argv(sys.executable), stdin=subprocess.DEVNULL, stdout=fd, stderr=fd,
@@ -254,6 +275,54 @@ class Group:
             rank.pid, rank.create_time = proc.get("pid"), proc.get("create_time")
             return True
         return False
+
+    def own_record(self, name: str, pids: set[int | None], *, pid_unknown: bool = False) -> dict | None:
+        """The JSON record `name` of the attempt directory, if this attempt's process wrote it.
+
+        Its pid must be one of `pids` (the process it speaks for), or, where that process's
+        pid was never learnt (`pid_unknown`: its proc file could not be written), the record
+        must be no older than the attempt; and the stage and attempt it names, where it names
+        them, must be this group's. Anything else is a leftover that another run or attempt
+        wrote: it is ignored, logged once, and the rank is settled by what else is known.
+        """
+        record = _read_json(self.dir / name)
+        if record is None:
+            return None
+        if not isinstance(record, dict):
+            record = {"pid": None, "time": None}     # nobody's: refused below, and logged
+        known = {p for p in pids if p}
+        pid, written = record.get("pid"), record.get("time")
+        why = None
+        if record.get("stage") not in (None, self.stage):
+            why = f"it is stage {record['stage']}'s"
+        elif record.get("attempt") not in (None, self.attempt):
+            why = f"it is attempt {record['attempt']}'s"
+        elif isinstance(pid, int) and pid in known:
+            pass
+        elif not pid_unknown:
+            why = f"its pid {pid} is not {' or '.join(map(str, sorted(known))) or 'known'}"
+        elif not isinstance(written, (int, float)) or written < self.started_at - _CLOCK_SLACK:
+            why = "it was written before this attempt started"
+        if why is None:
+            return record
+        key = (name, pid, written)
+        if key not in self.ignored:
+            self.ignored.add(key)
+            log.warning("run %s: %s attempt %d: ignoring %s: %s (a leftover of another run or attempt)",
+                        self.run_id, self.stage, self.attempt, self.dir / name, why)
+        return None
+
+    def rank_error(self, rank: Rank, worker_pid: int | None = None) -> dict | None:
+        """rank-<r>.error.json, when this attempt's worker of the rank wrote it (or its monitor,
+        which records a runtime that could not start). `worker_pid`: the pid the exit record
+        names, where the proc file gave none."""
+        worker = rank.pid or worker_pid
+        return self.own_record(f"rank-{rank.rank}.error.json", {worker, rank.monitor_pid},
+                               pid_unknown=worker is None)
+
+    def tp_error(self, worker: Rank) -> dict | None:
+        """tp-<k>.error.json, when this attempt's TP worker k wrote it."""
+        return self.own_record(f"tp-{worker.tp_rank}.error.json", {worker.pid})
 
     def rank_of(self, number: int) -> Rank:
         """A rank by its number: a driver rank, or a TP worker (world_size + tp_rank)."""
@@ -356,7 +425,7 @@ class Group:
         for k, w in sorted(self.workers.items()):
             if w.exit is not None:
                 continue
-            error = _read_json(self.dir / f"tp-{k}.error.json")
+            error = self.tp_error(w)
             if error is not None:
                 w.exit = RankExit(w.rank, error.get("pid") or w.pid, None, None, float(error.get("time") or now),
                                   error, tp_rank=k)
@@ -405,8 +474,8 @@ class Group:
         return learnt, exits
 
     def _settle(self, rank: Rank, monitor_rc: int | None) -> RankExit:
-        record = _read_json(self.dir / f"rank-{rank.rank}.exit.json")
-        error = _read_json(self.dir / f"rank-{rank.rank}.error.json")
+        record = self.own_record(f"rank-{rank.rank}.exit.json", {rank.pid}, pid_unknown=rank.pid is None)
+        error = self.rank_error(rank, (record or {}).get("pid"))
         now = time.time()
         if record is not None:
             ex = RankExit(rank.rank, record.get("pid") or rank.pid, record.get("exit_code"),
@@ -477,7 +546,10 @@ class Group:
     def member_pids(self) -> set[int]:
         """Every live process of the group: the ranks' sessions, their process trees, and
         any descendant the sampler saw that has since left them."""
-        sessions = {r.monitor_pid for r in self.ranks}
+        # A rank whose monitor is unknown (0: the daemon died before learning it) has no
+        # session: getsid() says 0 for kernel threads and, in a container, for every process
+        # started from outside its pid namespace, which must never be signalled as the group's.
+        sessions = {r.monitor_pid for r in self.ranks if r.monitor_pid and r.monitor_pid > 0}
         pids: set[int] = set()
         for pid in psutil.pids():
             try:
@@ -500,6 +572,8 @@ class Group:
     def _signal_all(self, sig: int) -> set[int]:
         pids = self.member_pids()
         for r in self.ranks:
+            if not r.monitor_pid or r.monitor_pid <= 0:
+                continue    # killpg(0) would signal the daemon's own process group
             try:
                 os.killpg(r.monitor_pid, sig)
             except (ProcessLookupError, PermissionError):

@@ -36,7 +36,56 @@ def runs_dir(base: Path | None = None) -> Path:
 
 
 def attempt_dir(run_id: int, stage: str, attempt: int, base: Path | None = None) -> Path:
+    """The old layout's attempt folder, `runs/<id>/<stage>/attempt-<n>/`. Only for building
+    fixtures: an attempt's real folder is the one its `attempts.dir` records."""
     return runs_dir(base) / str(run_id) / stage / f"attempt-{attempt}"
+
+
+def run_dir(run: dict, base: Path | None = None) -> Path:
+    """A run's folder: the one its row records (`runs.dir`), else, for a run recorded before
+    runs had that column, the old layout's `runs/<id>/`."""
+    return Path(run["dir"]) if run.get("dir") else runs_dir(base) / str(run["id"])
+
+
+def folder_ids(base: Path | None = None) -> dict[int, Path]:
+    """The run folders in `runs/` whose names are run ids, by id."""
+    try:
+        entries = list(os.scandir(runs_dir(base)))
+    except FileNotFoundError:
+        return {}
+    return {int(e.name): Path(e.path) for e in entries if e.name.isdecimal() and e.is_dir(follow_symlinks=False)}
+
+
+def claim_run_dir(at_least: int, base: Path | None = None) -> tuple[int, Path]:
+    """Create the folder of a new run and return (its id, its folder).
+
+    The id is at least `at_least` (the database's next) and above every run folder already in
+    `runs/`, and the folder is created exclusively (mkdir without exist_ok): a database that
+    was deleted or restored from an older backup would reissue ids whose folders still hold
+    another run's logs, error files and outputs, and nothing of those may be mixed into this
+    run's. Ids stay plain numbers, the same as `eyas show <id>` takes.
+    """
+    root = runs_dir(base)
+    root.mkdir(parents=True, exist_ok=True)
+    run_id = max([at_least - 1, *folder_ids(base)]) + 1
+    while True:
+        path = root / str(run_id)
+        try:
+            path.mkdir()
+            return run_id, path
+        except FileExistsError:     # a file of that name, or a folder made since the scan
+            run_id += 1
+
+
+def unused(path: Path) -> Path:
+    """`path` when nothing is there yet, else the first of `<path>-2`, `<path>-3`, ... that is
+    free. A restored older database counts a run's attempts from a lower number than its
+    folder already holds; the new attempt gets a folder of its own rather than another's."""
+    candidate, n = path, 1
+    while os.path.lexists(candidate):
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
 
 
 def lock_path(base: Path | None = None) -> Path:

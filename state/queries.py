@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 # The schema version these queries read (schema.LATEST, checked by a test): kept here
 # because importing eyas.state.schema pulls in sqlite_utils.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 4
 
 RUN_COLUMNS = ("id", "name", "model", "state", "stage", "started", "duration", "peak_gpu_mem", "tok_s")
 
@@ -119,7 +119,8 @@ def get_run(db: sqlite_utils.Database, run_id: int, *, now: float | None = None)
     return {
         "id": run["id"], "name": run["name"], "model": run["model"], "state": run["state"],
         "stage": run["current_stage"], "reason": run["reason"], "config_path": run["config_path"],
-        "output_dir": run["output_dir"], "created_at": run["created_at"], "started_at": run["started_at"],
+        "output_dir": run["output_dir"], "dir": run.get("dir"),
+        "created_at": run["created_at"], "started_at": run["started_at"],
         "ended_at": run["ended_at"], "duration": _duration(run["started_at"], run["ended_at"], now),
         "peak_gpu_mem": run["peak_gpu_mem"], "tok_s": run["tok_s"],
         "summary": json.loads(run["summary_json"]) if run["summary_json"] else None,

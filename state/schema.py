@@ -114,7 +114,30 @@ def _m2_tp_workers(db: sqlite_utils.Database) -> None:
         db["errors"].add_column(column, str if column == "role" else int)
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m1_initial, _m2_tp_workers]
+def _m3_run_dir(db: sqlite_utils.Database) -> None:
+    """Each run records its own folder (`runs.dir`), chosen when it is submitted and never
+    derived from its id again: a database lost or restored from an older backup reissues ids,
+    and a run must never write into, or read from, a folder of another run. Rows from before
+    this column keep NULL, for the folder of the old layout, `runs/<id>/`."""
+    db["runs"].add_column("dir", str)
+
+
+def _m4_intent(db: sqlite_utils.Database) -> None:
+    """Intent is durable before it acts (daemon/intent.py): a stop's reason and time on the
+    attempt it ends (`attempts.cancel_reason`, `cancel_at`), and a restart's due time on its
+    stage (`stages.restart_at`), so that a daemon restarted at any instant finishes the same
+    decision. A stage that an older daemon left running between two attempts (its restart was
+    only in memory) is due now: the restart the policy had called for still happens."""
+    db["attempts"].add_column("cancel_reason", str)
+    db["attempts"].add_column("cancel_at", float)
+    db["stages"].add_column("restart_at", float)
+    db.execute(
+        "UPDATE stages SET restart_at = (julianday('now') - 2440587.5) * 86400.0 WHERE state = 'running' "
+        "AND NOT EXISTS (SELECT 1 FROM attempts a WHERE a.run_id = stages.run_id AND a.stage = stages.name "
+        "AND a.state = 'running')")
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m1_initial, _m2_tp_workers, _m3_run_dir, _m4_intent]
 LATEST = len(MIGRATIONS)
 
 

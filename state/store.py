@@ -1,7 +1,9 @@
 """Opening the store, and the writes the daemon makes (it is the only writer).
 
 Every state change goes through `move_*`, which checks the state machine and records an
-event with its reason in the same transaction.
+event with its reason in the same transaction. Each write is a `db.atomic()` block, which
+nests as a savepoint: the daemon wraps several writes into one transaction (a settlement, a
+stop) that happens whole or not at all, whatever fails in between (a full disk).
 """
 
 from __future__ import annotations
@@ -81,18 +83,23 @@ def create_run(
     config: dict[str, Any] | None = None,
     config_path: str | None = None,
     output_dir: str | None = None,
+    run_id: int | None = None,
+    dir: str | None = None,
     now: float | None = None,
 ) -> int:
-    """Record a new pending run with its stages (dicts with name and max_restarts)."""
+    """Record a new pending run with its stages (dicts with name and max_restarts). `run_id`
+    and `dir` are the id and folder the daemon claimed for it (paths.claim_run_dir); without
+    them SQLite picks the id and the run has no folder of its own (tests)."""
     now = now or time.time()
-    with db.conn:
-        run_id = db["runs"].insert(
-            {
-                "name": name, "model": model, "state": "pending", "config_path": config_path,
-                "config_json": json.dumps(config) if config is not None else None,
-                "output_dir": output_dir, "created_at": now,
-            }
-        ).last_pk
+    row = {
+        "name": name, "model": model, "state": "pending", "config_path": config_path,
+        "config_json": json.dumps(config) if config is not None else None,
+        "output_dir": output_dir, "created_at": now, "dir": dir,
+    }
+    if run_id is not None:
+        row["id"] = run_id
+    with db.atomic():
+        run_id = db["runs"].insert(row).last_pk
         for position, stage in enumerate(stages):
             db["stages"].insert(
                 {
@@ -116,7 +123,7 @@ def move_run(db, run_id: int, new: str, reason: str, now: float | None = None, *
         update["ended_at"] = now
     elif new in ("pending", "running"):
         update["ended_at"] = None
-    with db.conn:
+    with db.atomic():
         db["runs"].update(run_id, update)
         _event(db, run_id, "run", row["state"], new, reason, now=now)
 
@@ -134,13 +141,14 @@ def move_stage(db, run_id: int, stage: str, new: str, reason: str, now: float | 
     now = now or time.time()
     row = stage_row(db, run_id, stage)
     machine.check("stage", row["state"], new, f"stage {stage} of run {run_id}")
-    update = {"state": new, "reason": reason, **fields}
+    # A pending restart belongs to the stage's current run of attempts: any move ends it.
+    update = {"state": new, "reason": reason, "restart_at": None, **fields}
     if new == "running":
         update["started_at"] = now
         update["ended_at"] = None
     if new in machine.TERMINAL:
         update["ended_at"] = now
-    with db.conn:
+    with db.atomic():
         db["stages"].update(row["id"], update)
         if new == "running":
             db["runs"].update(run_id, {"current_stage": stage})
@@ -155,7 +163,7 @@ def new_attempt(
     now = now or time.time()
     row = stage_row(db, run_id, stage)
     number = (row["attempts"] or 0) + 1
-    with db.conn:
+    with db.atomic():
         attempt_id = db["attempts"].insert(
             {
                 "run_id": run_id, "stage": stage, "number": number, "state": "running", "dir": dir,
@@ -163,7 +171,8 @@ def new_attempt(
                 "master_port": master_port, "started_at": now,
             }
         ).last_pk
-        db["stages"].update(row["id"], {"attempts": number, "world_size": world_size})
+        # The attempt is the restart that was due: its intent is spent with it.
+        db["stages"].update(row["id"], {"attempts": number, "world_size": world_size, "restart_at": None})
         # The run's reason follows its current stage: "starting prepare" must not outlive prepare.
         db["runs"].update(run_id, {"current_stage": stage, "reason": f"{stage}: attempt {number} started"})
         _event(db, run_id, "attempt", None, "running", f"attempt {number} started", stage=stage,
@@ -175,10 +184,26 @@ def move_attempt(db, attempt_id: int, new: str, reason: str, now: float | None =
     now = now or time.time()
     row = db["attempts"].get(attempt_id)
     machine.check("attempt", row["state"], new, f"attempt {row['number']} of {row['stage']}")
-    with db.conn:
+    with db.atomic():
         db["attempts"].update(attempt_id, {"state": new, "reason": reason, "ended_at": now})
         _event(db, row["run_id"], "attempt", row["state"], new, reason, stage=row["stage"],
                attempt=row["number"], now=now)
+
+
+def record_cancel(db, attempt_id: int, reason: str, now: float | None = None) -> None:
+    """Record that a running attempt is being ended on purpose (a stop, the daemon's own
+    shutdown), before any signal is sent: a daemon restarted meanwhile settles it as cancelled
+    with this reason, and its ranks' deaths after `cancel_at` are not failures."""
+    with db.atomic():
+        db.execute("UPDATE attempts SET cancel_reason = coalesce(cancel_reason, ?), "
+                   "cancel_at = coalesce(cancel_at, ?) WHERE id = ?", [reason, now or time.time(), attempt_id])
+
+
+def schedule_restart(db, run_id: int, stage: str, restarts: int, due: float) -> None:
+    """Record a restart the policy called for: the stage's restart count and when it is due."""
+    with db.atomic():
+        db.execute("UPDATE stages SET restarts = ?, restart_at = ? WHERE run_id = ? AND name = ?",
+                   [restarts, due, run_id, stage])
 
 
 def upsert_rank(db, attempt_id: int, rank: int, **fields) -> None:
@@ -187,7 +212,7 @@ def upsert_rank(db, attempt_id: int, rank: int, **fields) -> None:
     # Ranks are keyed by a unique (attempt_id, rank) index, not by their primary key, which
     # is what sqlite-utils' upsert would match on: so a lookup, then an update or insert.
     existing = list(db["ranks"].rows_where("attempt_id = ? and rank = ?", [attempt_id, rank]))
-    with db.conn:
+    with db.atomic():
         if existing:
             db["ranks"].update(existing[0]["id"], fields)
         else:
@@ -204,7 +229,7 @@ def record_error(db, attempt_id: int, *, rank: int | None, type: str, message: s
     """Record one rank's failure. An empty message is kept empty: type and traceback say enough.
     A tensor-parallel worker's failure carries role "tp-worker" and its tp_rank."""
     attempt = db["attempts"].get(attempt_id)
-    with db.conn:
+    with db.atomic():
         return db["errors"].insert(
             {
                 "run_id": attempt["run_id"], "stage": attempt["stage"], "attempt_id": attempt_id,
@@ -219,7 +244,7 @@ def record_error(db, attempt_id: int, *, rank: int | None, type: str, message: s
 def insert_metrics(db, rows: list[dict[str, Any]]) -> None:
     """Append metric samples: dicts with time, run_id, stage, attempt, rank, name, value."""
     if rows:
-        with db.conn:
+        with db.atomic():
             db["metrics"].insert_all(rows, batch_size=500)
 
 
@@ -230,7 +255,7 @@ def prune_metrics(db, *, max_age_s: float, max_rows: int, now: float | None = No
     ranks, not the raw samples.
     """
     now = now or time.time()
-    with db.conn:
+    with db.atomic():
         cur = db.execute("DELETE FROM metrics WHERE time < ?", [now - max_age_s])
         removed = cur.rowcount
         count = db.execute("SELECT count(*) FROM metrics").fetchone()[0]

@@ -1,0 +1,71 @@
+"""Intent is durable before it acts: a stop is recorded on its attempt before any signal is
+sent, and a restarted daemon reads every recorded intent back and finishes the same decision.
+
+What is recorded where (state/schema.py, migration 4):
+- a stop, or the daemon's own shutdown: `attempts.cancel_reason` and `cancel_at`. A daemon
+  restarted before the group ended finishes the teardown, counts no rank death after
+  `cancel_at` as a failure, and settles the attempt `cancelled` with the reason: never a
+  SIGTERM failure, never restarted;
+- a restart after backoff: `stages.restart_at`, written with the failed attempt's settlement
+  (daemon/settle.py); the scheduler starts the next attempt when it is due, whichever daemon
+  is running then;
+- skips, retries and resumes are state moves, each one transaction, committed before the
+  request is answered; the scheduler acts only on what the store says.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import psutil
+
+from eyas.state import store
+
+from . import diskfull
+from .supervisor import Group
+
+log = logging.getLogger("eyas.daemon.intent")
+
+
+def stop(core, group: Group, reason: str) -> None:
+    """End a live group on purpose: record why, then signal. On a full disk the stop still
+    happens (the disk may be full because of this very run) and its settlement, which the
+    daemon retries until it is written, carries the reason."""
+    try:
+        store.record_cancel(core.db, group.attempt_id, reason)
+    except Exception as exc:
+        if not diskfull.is_full(exc):
+            raise
+        core.disk.mark(f"recording a stop of run {group.run_id} {group.stage} in eyas.db", exc)
+    core._cancel_group(group, reason)
+
+
+def resume(core, group: Group, attempt: dict) -> None:
+    """Re-adopting an attempt: take up a stop that the last daemon recorded, and finish it."""
+    reason = attempt.get("cancel_reason")
+    if reason is None:
+        return
+    group.cancel_reason = reason
+    # Deaths before the stop are the ranks' own failures; from then on, the stop's doing.
+    group.teardown_since = attempt.get("cancel_at") or time.time()
+    log.info("run %s: %s attempt %d: finishing the stop recorded before the restart (%s)",
+             group.run_id, group.stage, group.attempt, reason)
+    core._spawn_task(group.teardown(core.grace, reason))
+
+
+def find_monitor(group: Group, rank: int) -> tuple[int, float] | None:
+    """The monitor of `rank`, found by the environment the daemon gave it, when its pid was
+    never recorded: the daemon died between starting it and writing its row, and before the
+    monitor wrote its proc file. Without this, a live rank would be settled as lost and its
+    attempt started again beside it."""
+    wanted = {"EYAS_ATTEMPT_DIR": str(group.dir), "RANK": str(rank)}
+    for p in psutil.process_iter(["environ"]):
+        try:
+            env = p.info["environ"] or {}
+            if all(env.get(k) == v for k, v in wanted.items()) and os.getsid(p.pid) == p.pid:
+                return p.pid, p.create_time()
+        except (psutil.Error, OSError):
+            continue
+    return None

@@ -1,0 +1,112 @@
+"""A full state directory is a recorded failure, not a lost one: real daemon, real ranks, a
+small tmpfs as EYAS_HOME filled up by the ranks' own logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from daemon_harness import Daemon, selftest_toml, short_tmp, wait_for
+
+SIZE_MB = 15
+# What the ranks' logs are left to fill: the test writes a filler for the rest, so that the
+# disk fills within seconds whatever bounds a rank log may get.
+LEFT_FOR_LOGS = 2 << 20
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture
+def small_home(monkeypatch):
+    base = short_tmp()
+    home = base / "home"
+    home.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SIZE_MB}m", "tmpfs", str(home)],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        shutil.rmtree(base, ignore_errors=True)
+        pytest.skip(f"mounting a {SIZE_MB} MB tmpfs is not permitted here (needs root): {out.stderr.strip()}")
+    (base / "rt").mkdir(mode=0o700)       # the socket lives off the full disk, as under /run/user
+    monkeypatch.setenv("EYAS_HOME", str(home))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(base / "rt"))
+    try:
+        yield home
+    finally:
+        if subprocess.run(["umount", str(home)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(home)], capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _status(d: Daemon) -> dict:
+    return json.loads(d.cli("daemon", "status", "--json").stdout)
+
+
+def test_a_full_state_directory_fails_the_attempt_with_enospc_and_starts_nothing(small_home):
+    d = Daemon(small_home).start()
+    try:
+        run_id = d.submit(selftest_toml("flood", ranks=2, max_restarts=0, options={
+            "lines_per_sec": 20000, "duration": 120, "step_time": 0.05}))
+        pids = wait_for(lambda: (p := [r["pid"] for r in d.ranks(run_id)]) and len(p) == 2 and all(p) and p,
+                        30, what="rank pids")
+        st = os.statvfs(small_home)
+        filler = small_home / "filler"
+        with open(filler, "wb") as f:
+            f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - LEFT_FOR_LOGS))
+
+        full = wait_for(lambda: (out := d.cli("daemon", "status")).returncode == 0
+                        and "state directory full: " in out.stdout and out.stdout, 60,
+                        what="daemon status to say the state directory is full")
+        assert "ENOSPC while" in full, full
+        wait_for(lambda: not any(_alive(p) for p in pids), 60, what="the ranks to end on the full disk")
+        # While the disk is full: no attempt beyond the first, whatever was or was not written.
+        assert _status(d)["full"] is not None
+        assert len(d.run(run_id)["stages"][0]["attempt_list"]) == 1
+
+        # Space returns: the filler and the rank logs go.
+        attempt_dir = Path(d.run(run_id)["stages"][0]["attempt_list"][0]["dir"])
+        state_while_full = d.run(run_id)["stages"][0]["attempt_list"][0]["state"]
+        freed = time.monotonic()
+        filler.unlink()
+        for log in attempt_dir.glob("rank-*.log"):
+            log.unlink()
+        run = d.wait_run(run_id, ("failed",), timeout=60)
+        recorded = time.monotonic() - freed
+        wait_for(lambda: _status(d)["full"] is None, 30, what="the condition to clear")
+        cleared = time.monotonic() - freed
+        print(f"\nrecovery: end recorded {recorded:.2f} s, condition cleared {cleared:.2f} s after space returned")
+        print(f"status while full: {full.strip()}\nattempt state just before space returned: {state_while_full}")
+
+        stage = run["stages"][0]
+        (attempt,) = stage["attempt_list"]          # max_restarts = 0: nothing unrequested started
+        root = attempt["root_cause"]
+        assert (stage["state"], attempt["state"]) == ("failed", "failed")
+        assert root["type"] == "ENOSPC" and root["message"].startswith("ENOSPC while writing rank-"), root
+        assert "ENOSPC" in attempt["reason"] or "No space left" in attempt["reason"], attempt["reason"]
+        errors = d.cli("errors", run_id)
+        assert errors.returncode == 0 and ("ENOSPC" in errors.stdout or "No space left" in errors.stdout), errors
+        assert "Lost" not in errors.stdout
+        time.sleep(2.0)
+        assert len(d.run(run_id)["stages"][0]["attempt_list"]) == 1
+
+        # A restarted daemon finds the record true and leaves it as it is.
+        before = d.run(run_id)
+        d.kill9()
+        d.start()
+        time.sleep(2.0)
+        after = d.run(run_id)
+        assert after == before
+        assert "Lost" not in d.cli("errors", run_id).stdout
+    finally:
+        d.cleanup()

@@ -1,0 +1,103 @@
+"""Intent survives the daemon: a request acknowledged, or a decision taken, just before the daemon
+is SIGKILLed is finished the same way by the daemon started next (real daemon, real ranks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+
+from daemon_harness import daemon, selftest_toml, wait_for  # noqa: F401 (fixture)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _pids(d, run_id: int, n: int) -> list[int]:
+    return wait_for(lambda: (p := [r["pid"] for r in d.ranks(run_id)]) and len(p) == n and all(p) and p,
+                    30, what="rank pids")
+
+
+def _crash_right_after(d, op: str, **args) -> tuple[dict, float]:
+    """Send a request and SIGKILL the daemon as soon as it is answered; the gap, in seconds."""
+    reply = d.request(op, **args)
+    answered = time.monotonic()
+    os.kill(d.proc.pid, signal.SIGKILL)
+    gap = time.monotonic() - answered
+    d.proc.wait(10)
+    return reply, gap
+
+
+def test_a_stop_acknowledged_just_before_a_crash_ends_the_stage_cancelled(daemon):
+    run_id = daemon.submit(selftest_toml("stop-crash", ranks=2, max_restarts=2,
+                                         options={"steps": 2000, "step_time": 0.05}))
+    pids = _pids(daemon, run_id, 2)
+    reply, gap = _crash_right_after(daemon, "stop", run=run_id)
+    assert reply["stopping"] and gap < 0.05, gap
+    daemon.start()
+    run = daemon.wait_run(run_id, timeout=30)
+    stage = run["stages"][0]
+    assert (run["state"], stage["state"], stage["reason"]) == ("cancelled", "cancelled", "stopped by the user")
+    (attempt,) = stage["attempt_list"]      # never restarted, max_restarts = 2 notwithstanding
+    assert (attempt["state"], attempt["reason"], attempt["root_cause"]) == ("cancelled", "stopped by the user", None)
+    assert {r["state"] for r in attempt["ranks"]} <= {"killed", "exited"}, attempt["ranks"]
+    assert not any(_alive(p) for p in pids)
+    time.sleep(1.5)                         # and nothing starts later either
+    assert len(daemon.run(run_id)["stages"][0]["attempt_list"]) == 1
+    assert "has no recorded errors" in daemon.cli("errors", run_id).stderr
+
+
+def test_a_skip_acknowledged_just_before_a_crash_holds(daemon):
+    # Run a holds GPU 0; run b's stage waits for it, pending, and is skipped.
+    a = daemon.submit(selftest_toml("holder", ranks=1, devices="[0]", options={"steps": 2000, "step_time": 0.05}), "a.toml")
+    _pids(daemon, a, 1)
+    b = daemon.submit(selftest_toml("queued", ranks=1, devices="[0]", max_restarts=2,
+                                    options={"steps": 5, "step_time": 0.01}), "b.toml")
+    wait_for(lambda: "waiting for devices" in (daemon.run(b)["reason"] or ""), 10, what="run b to queue")
+    _reply, gap = _crash_right_after(daemon, "skip", run=b, stage="selftest")
+    assert gap < 0.05, gap
+    daemon.start()
+    run = daemon.wait_run(b, ("succeeded",), timeout=30)
+    assert run["stages"][0]["state"] == "skipped" and run["stages"][0]["attempt_list"] == []
+    daemon.request("stop", run=a)
+    assert daemon.wait_run(a, timeout=30)["state"] == "cancelled"
+
+
+def test_a_retry_acknowledged_just_before_a_crash_starts_exactly_one_attempt(daemon):
+    run_id = daemon.submit(selftest_toml("retry-crash", ranks=2, max_restarts=2, backoff=0.1, options={
+        "steps": 10, "step_time": 0.02, "fail": "raise", "fail_rank": 0, "fail_at_step": 1,
+        "fail_attempts": [1, 2, 3]}))
+    assert daemon.wait_run(run_id, timeout=60)["state"] == "failed"
+    assert len(daemon.run(run_id)["stages"][0]["attempt_list"]) == 3
+    _reply, gap = _crash_right_after(daemon, "retry", run=run_id)
+    assert gap < 0.05, gap
+    daemon.start()
+    run = daemon.wait_run(run_id, ("succeeded",), timeout=60)
+    attempts = run["stages"][0]["attempt_list"]
+    assert [a["state"] for a in attempts] == ["failed", "failed", "failed", "succeeded"]
+    time.sleep(1.5)
+    assert len(daemon.run(run_id)["stages"][0]["attempt_list"]) == 4
+
+
+def test_a_restart_pending_in_backoff_starts_when_due_after_a_daemon_crash(daemon):
+    backoff = 5.0
+    run_id = daemon.submit(selftest_toml("backoff-crash", ranks=1, max_restarts=1, backoff=backoff, options={
+        "steps": 5, "step_time": 0.01, "fail": "raise", "fail_rank": 0, "fail_at_step": 0, "fail_attempts": [1]}))
+    first = wait_for(lambda: (a := daemon.run(run_id)["stages"][0]["attempt_list"]) and a[0]["state"] == "failed" and a[0],
+                     30, what="attempt 1 to fail")
+    due = first["ended_at"] + backoff
+    daemon.kill9()
+    assert time.time() < due - 1, "the daemon must die while the restart is pending"
+    daemon.start()
+    run = daemon.wait_run(run_id, timeout=60)
+    assert run["state"] == "succeeded", run
+    second = run["stages"][0]["attempt_list"][1]
+    # Not at once (the due time survived the daemon), not never, and not much after it is due.
+    assert due - 0.1 <= second["started_at"] <= due + 3.0, (second["started_at"] - due)
+    assert len(run["stages"][0]["attempt_list"]) == 2 and run["stages"][0]["restarts"] == 1

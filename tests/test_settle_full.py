@@ -1,0 +1,93 @@
+"""The settlement under a full disk, in process: a write that fails with "database or disk is
+full" leaves nothing half-written and the group in memory, and the retry records it whole."""
+
+from __future__ import annotations
+
+import errno
+import sqlite3
+import time
+from types import SimpleNamespace
+
+from eyas.daemon import diskfull
+from eyas.daemon.core import Core
+from eyas.daemon.supervisor import Group, Rank, RankExit
+from eyas.state import store
+
+
+def test_the_errors_that_mean_no_space_are_told_apart():
+    assert diskfull.is_full(sqlite3.OperationalError("database or disk is full"))
+    assert diskfull.is_full(OSError(errno.ENOSPC, "No space left on device"))
+    assert diskfull.is_full(OSError(errno.EDQUOT, "Disk quota exceeded"))
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as inner:
+            raise RuntimeError("wrapped") from inner
+    except RuntimeError as outer:
+        assert diskfull.is_full(outer)
+    assert not diskfull.is_full(sqlite3.OperationalError("database is locked"))
+    assert not diskfull.is_full(OSError(errno.EACCES, "Permission denied"))
+
+
+def _core_with_an_ended_group(tmp_path, max_restarts: int = 0):
+    db = store.open_writer(tmp_path / "eyas.db")
+    sampler = SimpleNamespace(gpu_available=False, sample=lambda refs, now: None, forget=lambda a: None)
+    core = Core(db, tmp_path, sampler=sampler)
+    core.sample = lambda now, groups=None, final=False: None
+    run_id = store.create_run(db, name="r", model="m", stages=[{"name": "selftest", "max_restarts": max_restarts}],
+                              config={"stages": {"selftest": {"backoff": 7}}})
+    store.move_run(db, run_id, "running", "started")
+    store.move_stage(db, run_id, "selftest", "running", "started")
+    attempt_dir = tmp_path / "attempt-1"
+    attempt_dir.mkdir()
+    attempt_id, number = store.new_attempt(db, run_id, "selftest", dir=str(attempt_dir), world_size=1)
+    group = Group(run_id, "selftest", attempt_id, number, attempt_dir, 1, [], 0)
+    rank = Rank(0, attempt_dir / "rank-0.log", 0, None)
+    rank.exit = RankExit(0, 4242, 1, None, time.time())
+    group.ranks.append(rank)
+    core.groups[attempt_id] = group
+    return core, db, run_id, group
+
+
+def test_a_settlement_that_hits_a_full_disk_is_kept_whole_and_retried(tmp_path, monkeypatch):
+    core, db, run_id, group = _core_with_an_ended_group(tmp_path)
+    real = store.move_attempt
+    full = [True]
+
+    def move_attempt(*args, **kwargs):     # fails after the error row was written in the transaction
+        if full[0]:
+            raise sqlite3.OperationalError("database or disk is full")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "move_attempt", move_attempt)
+    core.supervise()
+    # Nothing half-done: no error row, the attempt still running, and the group still known.
+    assert group.attempt_id in core.groups and core.op_status()["active"]
+    assert db.execute("SELECT count(*) FROM errors").fetchone()[0] == 0
+    assert db["attempts"].get(group.attempt_id)["state"] == "running"
+    assert core.disk.full and core.op_status()["full"]["what"].startswith("ENOSPC while recording the end")
+    core.schedule()       # nothing starts while it lasts
+    assert db.execute("SELECT count(*) FROM attempts").fetchone()[0] == 1
+
+    full[0] = False
+    group.settle_retry_at = 0.0
+    core.supervise()
+    assert group.attempt_id not in core.groups
+    attempt = db["attempts"].get(group.attempt_id)
+    assert attempt["state"] == "failed"
+    root = db.execute("SELECT type, message FROM errors WHERE root_cause = 1").fetchone()
+    # The rank's exit and error files are missing while the disk was full: that is the cause.
+    assert root[0] == "ENOSPC" and root[1].startswith("ENOSPC while writing rank-0.exit.json and rank-0.error.json")
+    assert db.execute("SELECT count(*) FROM errors").fetchone()[0] == 1
+    assert store.stage_row(db, run_id, "selftest")["state"] == "failed"
+
+
+def test_a_restart_is_recorded_with_its_due_time(tmp_path):
+    core, db, run_id, group = _core_with_an_ended_group(tmp_path, max_restarts=1)
+    before = time.time()
+    core.supervise()
+    srow = store.stage_row(db, run_id, "selftest")
+    assert (srow["state"], srow["restarts"]) == ("running", 1)
+    assert before + 7 <= srow["restart_at"] <= time.time() + 7
+    core.schedule()       # not due yet: nothing starts
+    assert db.execute("SELECT count(*) FROM attempts").fetchone()[0] == 1
