@@ -129,6 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         # `eyas runs | head` closes the pipe early; that is not an error.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except TimeoutError:
+        # A daemon that holds its socket but does not answer (stuck, or busy beyond the
+        # request's limit) is one line for the user, not a socket traceback.
+        from eyas.state import paths
+
+        print(f"eyas {args.command}: the daemon did not answer in time on {paths.find_socket()}; "
+              f"it is busy or stuck: see {paths.state_dir() / 'daemon.log'}", file=sys.stderr)
+        return 1
     except Exception as exc:
         damaged = _damaged_store(exc)
         if damaged is None:

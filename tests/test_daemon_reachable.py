@@ -157,3 +157,24 @@ def test_racing_starts_give_one_daemon(home):
             stop = _cli(env, "daemon", "stop")
             assert stop.returncode == 0, stop.stderr
             wait_for(lambda: not daemons_of(home), 30, what="the daemon to exit")
+
+
+def test_a_daemon_that_does_not_answer_is_one_line_not_a_traceback(home):
+    """Something holds the socket and accepts, but never replies (a stuck or swamped daemon)."""
+    import socket
+
+    path = paths.socket_path(home)
+    mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    mute.bind(str(path))
+    mute.listen(8)
+    try:
+        t0 = time.monotonic()
+        out = _cli(dict(os.environ), "daemon", "status")
+        waited = time.monotonic() - t0
+    finally:
+        mute.close()
+    assert out.returncode == 1, out
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"eyas daemon: the daemon did not answer in time on {path}; it is busy or stuck: see {home / 'daemon.log'}"]
+    assert waited < 30      # the client's own request limit, not a hang
