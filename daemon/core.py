@@ -51,6 +51,7 @@ class Core:
         self.groups: dict[int, Group] = {}           # attempt id -> live group
         # A full state directory (daemon/diskfull.py): no attempt starts while it lasts.
         self.disk = diskfull.Condition(home)
+        self.disk.on_change = self._disk_changed
         self._held: list[dict] | None = None       # state events of the open transaction
         self.waiting: dict[int, str] = {}            # run id -> why it waits
         self.started = time.time()
@@ -96,6 +97,13 @@ class Core:
     def _move_stage(self, run_id: int, stage: str, new: str, reason: str, **fields) -> None:
         store.move_stage(self.db, run_id, stage, new, reason, **fields)
         self._emit_state(run_id, "stage", new, reason, stage=stage)
+
+    def _disk_changed(self, full: dict | None) -> None:
+        """A daemon-wide state event (no run): the state directory became full, or has space again."""
+        self.publish("state", {"run_id": None, "stage": None, "attempt": None, "entity": "daemon",
+                               "to_state": "full" if full else "ok", "full": full,
+                               "reason": full["what"] if full else "the state directory has space again",
+                               "time": time.time()})
 
     def poke(self) -> None:
         self._dirty.set()

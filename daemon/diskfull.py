@@ -13,6 +13,7 @@ import logging
 import os
 import sqlite3
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,9 @@ class Condition:
         self.home = home
         self.state: Full | None = None
         self.seen_at: float | None = None     # the last moment the directory was known full
+        # Told status() each time the condition starts or ends (the daemon publishes it, so
+        # the TUI can say so while it lasts).
+        self.on_change: Callable[[dict | None], None] = lambda status: None
 
     @property
     def full(self) -> bool:
@@ -87,6 +91,7 @@ class Condition:
             self.state = Full(text, now, now + FIRST_DELAY)
             # The log may be on the full disk too; the status request still says it.
             log.warning("state directory full: %s; no attempt starts until space returns", text)
+            self.on_change(self.status())
         elif self.due(now):
             # A retry failed: wait longer. Other writes failing meanwhile change nothing.
             self._later(now)
@@ -114,6 +119,7 @@ class Condition:
             return
         log.warning("state directory has space again after %.1f s (%s)", now - self.state.since, self.state.what)
         self.state = None
+        self.on_change(None)
 
     def _later(self, now: float) -> None:
         self.state.delay = min(self.state.delay * 2, MAX_DELAY)

@@ -110,3 +110,30 @@ def test_a_full_state_directory_fails_the_attempt_with_enospc_and_starts_nothing
         assert "Lost" not in d.cli("errors", run_id).stdout
     finally:
         d.cleanup()
+
+
+async def test_the_tui_says_the_state_directory_is_full_while_it_is(small_home):
+    from eyas.tui.app import EyasApp
+    from eyas.tui.widgets.chrome import Banner, TopBar
+    from tui_world import until
+
+    d = Daemon(small_home).start()
+    try:
+        app = EyasApp(small_home, socket=d.socket)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: app.link.connected, what="the connection")
+            banner = app.screen.query_one(Banner)
+            assert not banner.has_class("full")
+            st = os.statvfs(small_home)
+            filler = small_home / "filler"
+            with open(filler, "wb") as f:      # all but half a MiB: under the daemon's 1 MiB floor
+                f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - (512 << 10)))
+            await until(pilot, lambda: banner.has_class("full"), timeout=20, what="the full-disk banner")
+            text = str(banner.render())
+            assert "state directory is full (ENOSPC while checking free space in" in text, text
+            assert "state dir full" in str(app.screen.query_one(TopBar).render())
+            filler.unlink()
+            await until(pilot, lambda: not banner.has_class("full"), timeout=30, what="the banner to go")
+            assert str(banner.render()) == ""
+    finally:
+        d.cleanup()

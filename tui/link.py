@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,6 +28,7 @@ class LinkStatus:
     attempts: int         # failed attempts since the last success
     retry_in: float | None
     gpu: bool | None = None  # the daemon's sampler sees GPUs (None when unknown)
+    full: str | None = None  # what failed, while the daemon's state directory is full
 
 
 class DaemonLink:
@@ -85,9 +86,11 @@ class DaemonLink:
                 info = await client.request("status")
                 self.client = client
                 ever, attempts, delay = True, 0, self.min_backoff
-                self._set(LinkStatus(True, True, "", 0, None, info.get("gpu")))
+                self._set(LinkStatus(True, True, "", 0, None, info.get("gpu"), _full_text(info.get("full"))))
                 self.first_attempt.set()
                 async for ev in sub:
+                    if ev.event == "state" and ev.data.get("entity") == "daemon":
+                        self._set(replace(self.status, full=_full_text(ev.data.get("full"))))
                     self._queue(ev)
             except DaemonNotRunning as exc:
                 reason = str(exc)
@@ -136,3 +139,8 @@ class DaemonLink:
         self._last_flush = time.monotonic()
         self.batches += 1
         self.on_batch(events)
+
+
+def _full_text(full: dict | None) -> str | None:
+    """The daemon's "state directory full" record (op_status, state events) as its one line."""
+    return full.get("what") or "the state directory is full" if isinstance(full, dict) else None

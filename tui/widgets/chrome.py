@@ -29,7 +29,9 @@ class TopBar(Static):
         left = Text.assemble(("eyas", "bold"), " › ", self.title)
         if self.app.readonly:
             left.append("  [read-only]", style="yellow")
-        if status.connected:
+        if status.connected and status.full:
+            right = Text("● daemon · state dir full", style="bold red")
+        elif status.connected:
             right = Text("● daemon", style="green")
         elif status.ever_connected:
             right = Text("○ reconnecting", style="bold red")
@@ -44,12 +46,13 @@ class TopBar(Static):
 
 
 class Banner(Static):
-    """Shown only while the daemon is not connected."""
+    """Shown only while the daemon is not connected, or its state directory is full."""
 
     DEFAULT_CSS = """
     Banner { height: auto; padding: 0 1; display: none; }
     Banner.down { display: block; background: $warning 30%; }
     Banner.lost { display: block; background: $error 40%; }
+    Banner.full { display: block; background: $error 40%; }
     """
 
     def on_mount(self) -> None:
@@ -58,7 +61,11 @@ class Banner(Static):
     def _show(self, status: LinkStatus) -> None:
         self.set_class(not status.connected and status.ever_connected, "lost")
         self.set_class(not status.connected and not status.ever_connected, "down")
-        if status.connected:
+        self.set_class(status.connected and bool(status.full), "full")
+        if status.connected and status.full:
+            self.update(f"The daemon's state directory is full ({status.full}): no attempt starts and "
+                        "the record waits until space returns. Free space there; eyas goes on by itself.")
+        elif status.connected:
             self.update("")
         elif status.ever_connected:
             self.update("Lost the eyas daemon: live updates and controls are paused, history stays readable. "
