@@ -459,7 +459,13 @@ class Core:
             why = watchdog.summary(group)
             log.warning("run %s: %s attempt %d %s", group.run_id, group.stage, group.attempt, why)
             self._emit_state(group.run_id, "stage", "running", why, stage=group.stage, attempt=group.attempt)
-            self._spawn_task(watchdog.end(group, self.grace))
+            self.record_stuck(group)         # durable before any signal (intent.py)
+            self._spawn_task(watchdog.end(group, self.grace, self.record_stuck))
+
+    def record_stuck(self, group: Group) -> None:
+        """Write the watchdog's finding (and, once collected, the stacks) on its attempt."""
+        with self._noting_full(f"recording run {group.run_id} {group.stage}'s {group.stuck['kind']} in eyas.db"):
+            store.record_stuck(self.db, group.attempt_id, group.stuck)
 
     def _record_worker(self, group: Group, w: Rank) -> None:
         """A TP worker registered: a rank of the attempt from now on; its driver is one too."""

@@ -9,12 +9,17 @@ What is recorded where (state/schema.py, migration 4):
 - a restart after backoff: `stages.restart_at`, written with the failed attempt's settlement
   (daemon/settle.py); the scheduler starts the next attempt when it is due, whichever daemon
   is running then;
+- the hang watchdog's finding (Stalled, Straggler; daemon/watchdog.py): `attempts.stuck_json`
+  (migration 5), written before its teardown and again with the stacks it collected; a
+  restarted daemon settles the attempt with that root cause, never as the SIGTERM deaths the
+  teardown caused;
 - skips, retries and resumes are state moves, each one transaction, committed before the
   request is answered; the scheduler acts only on what the store says.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -23,7 +28,7 @@ import psutil
 
 from eyas.state import store
 
-from . import diskfull
+from . import diskfull, watchdog
 from .supervisor import Group
 
 log = logging.getLogger("eyas.daemon.intent")
@@ -43,9 +48,12 @@ def stop(core, group: Group, reason: str) -> None:
 
 
 def resume(core, group: Group, attempt: dict) -> None:
-    """Re-adopting an attempt: take up a stop that the last daemon recorded, and finish it."""
+    """Re-adopting an attempt: take up a stop, or a hang finding, that the last daemon
+    recorded, and finish it."""
     reason = attempt.get("cancel_reason")
     if reason is None:
+        if attempt.get("stuck_json"):
+            _resume_stuck(core, group, json.loads(attempt["stuck_json"]))
         return
     group.cancel_reason = reason
     # Deaths before the stop are the ranks' own failures; from then on, the stop's doing.
@@ -53,6 +61,21 @@ def resume(core, group: Group, attempt: dict) -> None:
     log.info("run %s: %s attempt %d: finishing the stop recorded before the restart (%s)",
              group.run_id, group.stage, group.attempt, reason)
     core._spawn_task(group.teardown(core.grace, reason))
+
+
+def _resume_stuck(core, group: Group, stuck: dict) -> None:
+    """The watchdog had found the attempt stuck (Stalled, Straggler): settle it so. With its
+    stacks already recorded, finish the teardown, whose deaths are the finding's doing; without
+    them, collect them first, as the watchdog would have."""
+    group.stuck = stuck
+    log.info("run %s: %s attempt %d: finishing the %s finding recorded before the restart",
+             group.run_id, group.stage, group.attempt, stuck["kind"])
+    if "asked" in stuck:
+        group.teardown_since = stuck["time"]
+        core._spawn_task(group.teardown(core.grace, stuck["kind"]))
+    else:
+        group.collecting = True
+        core._spawn_task(watchdog.end(group, core.grace, core.record_stuck))
 
 
 def find_monitor(group: Group, rank: int) -> tuple[int, float] | None:

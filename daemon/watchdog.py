@@ -46,8 +46,9 @@ def summary(group) -> str:
     return f"{what}; collecting stacks, then tearing down"
 
 
-async def end(group, grace: float) -> None:
-    """Collect the stuck group's stacks, then tear it down (unless a teardown began meanwhile)."""
+async def end(group, grace: float, recorded=lambda group: None) -> None:
+    """Collect the stuck group's stacks, then tear it down (unless a teardown began meanwhile).
+    `recorded(group)` makes the finding durable with its stacks before the first signal."""
     try:
         group.stuck["asked"] = await stacks.collect([*group.ranks, *group.workers.values()])
     except Exception:
@@ -56,6 +57,7 @@ async def end(group, grace: float) -> None:
         group.stuck.setdefault("asked", [])
     finally:
         group.collecting = False
+    recorded(group)
     if group.teardown_since is None:
         await group.teardown(grace, group.stuck["kind"])
 

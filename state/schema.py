@@ -137,7 +137,16 @@ def _m4_intent(db: sqlite_utils.Database) -> None:
         "AND a.state = 'running')")
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m1_initial, _m2_tp_workers, _m3_run_dir, _m4_intent]
+def _m5_stuck(db: sqlite_utils.Database) -> None:
+    """The hang watchdog's decision on its attempt (`attempts.stuck_json`: the Stalled or
+    Straggler finding, then the stacks it collected), recorded before the teardown it causes,
+    so that a daemon restarted mid-teardown settles the attempt with that root cause and not
+    as the SIGTERM deaths the teardown caused."""
+    db["attempts"].add_column("stuck_json", str)
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m1_initial, _m2_tp_workers, _m3_run_dir, _m4_intent,
+                                                             _m5_stuck]
 LATEST = len(MIGRATIONS)
 
 

@@ -199,6 +199,13 @@ def record_cancel(db, attempt_id: int, reason: str, now: float | None = None) ->
                    "cancel_at = coalesce(cancel_at, ?) WHERE id = ?", [reason, now or time.time(), attempt_id])
 
 
+def record_stuck(db, attempt_id: int, stuck: dict) -> None:
+    """Record the hang watchdog's finding on a running attempt (daemon/watchdog.py), before the
+    teardown it causes; written again once the stacks are in."""
+    with db.atomic():
+        db.execute("UPDATE attempts SET stuck_json = ? WHERE id = ?", [json.dumps(stuck), attempt_id])
+
+
 def schedule_restart(db, run_id: int, stage: str, restarts: int, due: float) -> None:
     """Record a restart the policy called for: the stage's restart count and when it is due."""
     with db.atomic():

@@ -80,7 +80,8 @@ def test_a_retry_acknowledged_just_before_a_crash_starts_exactly_one_attempt(dae
     daemon.start()
     run = daemon.wait_run(run_id, ("succeeded",), timeout=60)
     attempts = run["stages"][0]["attempt_list"]
-    assert [a["state"] for a in attempts] == ["failed", "failed", "failed", "succeeded"]
+    assert [a["state"] for a in attempts] == ["failed", "failed", "failed", "succeeded"], \
+        [(a["state"], a["reason"], a["root_cause"]) for a in attempts[3:]]
     time.sleep(1.5)
     assert len(daemon.run(run_id)["stages"][0]["attempt_list"]) == 4
 
@@ -101,3 +102,38 @@ def test_a_restart_pending_in_backoff_starts_when_due_after_a_daemon_crash(daemo
     # Not at once (the due time survived the daemon), not never, and not much after it is due.
     assert due - 0.1 <= second["started_at"] <= due + 3.0, (second["started_at"] - due)
     assert len(run["stages"][0]["attempt_list"]) == 2 and run["stages"][0]["restarts"] == 1
+
+
+def test_a_hang_finding_recorded_just_before_a_crash_is_the_root_cause_after_it(daemon):
+    """The watchdog found the stage Stalled and began its teardown; the daemon dies before the
+    ranks do. The next daemon settles the attempt as that Stalled finding, with its time and
+    stacks, not as the SIGTERM deaths of the teardown, nor as a new finding of its own."""
+    import json
+
+    run_id = daemon.submit(selftest_toml("stall-crash", ranks=2, max_restarts=0, stall_timeout=3, options={
+        "steps": 50, "step_time": 0.05, "fail": "hang", "fail_rank": -1, "fail_at_step": 2,
+        "ignore_sigterm": True}))           # only SIGKILL, after the grace, ends them: a window to crash in
+    pids = _pids(daemon, run_id, 2)
+
+    def finding():
+        db = daemon.reader()
+        try:
+            row = db.execute("SELECT stuck_json FROM attempts WHERE run_id = ?", [run_id]).fetchone()
+        finally:
+            db.conn.close()
+        stuck = json.loads(row[0]) if row and row[0] else None
+        return stuck if stuck and "asked" in stuck else None
+
+    stuck = wait_for(finding, 30, interval=0.01, what="the Stalled finding with its stacks")
+    time.sleep(0.3)                         # the teardown has sent SIGTERM, which the ranks ignore
+    os.kill(daemon.proc.pid, signal.SIGKILL)
+    daemon.proc.wait(10)
+    assert all(_alive(p) for p in pids)
+    daemon.start()
+    run = daemon.wait_run(run_id, timeout=60)
+    (attempt,) = run["stages"][0]["attempt_list"]
+    root = attempt["root_cause"]
+    assert (run["state"], attempt["state"], root["type"]) == ("failed", "failed", "Stalled"), attempt
+    assert abs(root["time"] - stuck["time"]) < 1e-3        # the first daemon's finding, not a new one
+    assert "stall_timeout = 3" in root["message"] and "Current thread 0x" in root["traceback"]
+    assert not any(_alive(p) for p in pids)

@@ -44,6 +44,7 @@ class Options:
     heartbeat_for: float = 0.0      # first, this many seconds of silence but for heartbeats (a weight load)
     hang_at_end: bool = False       # after its steps, rank fail_rank (-1: all) blocks for ever, writing nothing
     linger_thread: bool = False     # after its work, leave a non-daemon thread that never ends
+    ignore_sigterm: bool = False    # a rank that only SIGKILL ends (teardown waits out its grace)
     gloo_teardown: str | None = None  # a gloo group and a DDP model, torn down the old way or eyas's
 
     @classmethod
@@ -57,7 +58,7 @@ class Options:
         if raw.get("gloo_teardown") is not None and raw["gloo_teardown"] not in GLOO_TEARDOWNS:
             raise ValueError(f"selftest option gloo_teardown={raw['gloo_teardown']!r} is unknown: use one of "
                              f"{', '.join(GLOO_TEARDOWNS)}")
-        for name in ("hang_at_end", "linger_thread", "summary_on_fail"):
+        for name in ("hang_at_end", "linger_thread", "summary_on_fail", "ignore_sigterm"):
             if name in raw and not isinstance(raw[name], bool):
                 raise ValueError(f"selftest option {name}={raw[name]!r}: use true or false")
         opts = dict(raw)
@@ -82,6 +83,8 @@ class Options:
 
 def main(ctx) -> None:
     opts = Options.parse(ctx.options)
+    if opts.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     steps = opts.steps
     if opts.duration is not None:
         steps = max(1, round(opts.duration / opts.step_time))
