@@ -116,7 +116,21 @@ def test_ctrl_c_stops_the_demo_run_cleanly():
     states = {s["name"]: s["state"] for s in run["stages"]}
     assert run["state"] == "cancelled" and "cancelled" in states.values()
     assert all(st in ("succeeded", "cancelled", "pending") for st in states.values()), states
-    wait_for(lambda: _eyas_processes(home) == [], 10, what="no process left")
+    _nothing_left(home)
+
+
+def _nothing_left(home: Path) -> None:
+    try:
+        wait_for(lambda: _eyas_processes(home) == [], 10, what="no process left")
+    except AssertionError:
+        left = []
+        for pid in _eyas_processes(home):
+            try:
+                p = psutil.Process(pid)
+                left.append(f"pid {pid} (parent {p.ppid()}) {p.status()}: {' '.join(p.cmdline())[:200]}")
+            except psutil.Error:
+                pass
+        raise AssertionError("processes of the demo's home outlived it:\n" + "\n".join(left)) from None
 
 
 def test_ctrl_c_while_the_assets_are_built_leaves_nothing_behind():
@@ -138,4 +152,4 @@ def test_ctrl_c_while_the_assets_are_built_leaves_nothing_behind():
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, out
     assert "stopped" in out and "eyas daemon stopped" in out and "submitted" not in out
-    wait_for(lambda: _eyas_processes(home) == [], 10, what="no process left")
+    _nothing_left(home)
