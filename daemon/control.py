@@ -71,12 +71,14 @@ def stacks(args) -> int:
     r = _request("stacks", run=args.run, **({"stage": args.stage} if args.stage else {}))
     asked = [x for x in r["ranks"] if "offset" in x]
     deadline = time.monotonic() + args.wait
-    dumps: dict[int, str] = {}
+    # The daemon waited for the Python dumps before running py-spy; only those missing then
+    # are looked for again.
+    dumps: dict[int, str] = {x["pid"]: x.get("python") or "" for x in asked}
     # faulthandler dumps from its C signal handler, so even a rank blocked in native code (a
     # collective) answers at once; the wait only covers a machine too loaded to schedule it.
     while True:
         for x in asked:
-            dumps[x["pid"]] = dump_of(x)
+            dumps[x["pid"]] = dumps[x["pid"]] or dump_of(x)
         if all(dumps.values()) or time.monotonic() >= deadline:
             break
         time.sleep(0.1)

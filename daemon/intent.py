@@ -2,7 +2,8 @@
 sent, and a restarted daemon reads every recorded intent back and finishes the same decision.
 
 What is recorded where (state/schema.py, migration 4):
-- a stop, or the daemon's own shutdown: `attempts.cancel_reason` and `cancel_at`. A daemon
+- a stop, or the daemon's own shutdown (Core._record_stop, before any signal):
+  `attempts.cancel_reason` and `cancel_at`. A daemon
   restarted before the group ended finishes the teardown, counts no rank death after
   `cancel_at` as a failure, and settles the attempt `cancelled` with the reason: never a
   SIGTERM failure, never restarted;
@@ -26,25 +27,10 @@ import time
 
 import psutil
 
-from eyas.state import store
-
-from . import diskfull, watchdog
+from . import watchdog
 from .supervisor import Group
 
 log = logging.getLogger("eyas.daemon.intent")
-
-
-def stop(core, group: Group, reason: str) -> None:
-    """End a live group on purpose: record why, then signal. On a full disk the stop still
-    happens (the disk may be full because of this very run) and its settlement, which the
-    daemon retries until it is written, carries the reason."""
-    try:
-        store.record_cancel(core.db, group.attempt_id, reason)
-    except Exception as exc:
-        if not diskfull.is_full(exc):
-            raise
-        core.disk.mark(f"recording a stop of run {group.run_id} {group.stage} in eyas.db", exc)
-    core._cancel_group(group, reason)
 
 
 def resume(core, group: Group, attempt: dict) -> None:
@@ -73,8 +59,7 @@ def _resume_stuck(core, group: Group, stuck: dict) -> None:
     if "asked" in stuck:
         group.teardown_since = stuck["time"]
         core._spawn_task(group.teardown(core.grace, stuck["kind"]))
-    else:
-        group.collecting = True
+    else:                                   # no "asked" yet: it counts as collecting
         core._spawn_task(watchdog.end(group, core.grace, core.record_stuck))
 
 

@@ -81,25 +81,30 @@ class LogSplitter:
         self.source = Path(source)
         self.dir = self.source.parent
         self.state_path = Path(state_path)
-        self.offset = 0
         self.sizes: dict[str, int] = {}
         self.died: dict[int, int | None] = {}   # TP rank -> exit code as vLLM reported it (None: unknown)
         self.bounds: dict[str, logcut.Bound] = {}
-        self._load()
-        self.tail = logcut.Tail(self.source, self.offset)
+        self._cut: dict | None = None           # the raw log's bound (its cut.json), read once
+        self.tail = logcut.Tail(self.source, self._load())
 
-    def _load(self) -> None:
+    @property
+    def offset(self) -> int:
+        """How far the raw log is routed: the Tail's place, which also follows a cut."""
+        return self.tail.offset
+
+    def _load(self) -> int:
+        """Take up the recorded state; returns the raw log's offset to go on from."""
         try:
             state = json.loads(self.state_path.read_text())
         except (OSError, ValueError):
             state = {}
-        self.offset = int(state.get("offset", 0))
         self.sizes = {str(k): int(v) for k, v in (state.get("sizes") or {}).items()}
         self.died = {int(k): (None if v is None else int(v)) for k, v in (state.get("died") or {}).items()}
         # Lines appended after the last recorded state are appended again: cut them first.
         for path in self.dir.glob("tp-*.log"):
             self._truncate(path, self.sizes.get(path.name, 0))
         self._truncate(self.dir / "driver.log", self.sizes.get("driver.log", 0))
+        return int(state.get("offset", 0))
 
     @staticmethod
     def _truncate(path: Path, size: int) -> None:
@@ -112,11 +117,9 @@ class LogSplitter:
     def pump(self, tp_of_pid: Callable[[int], int | None], final: bool = False) -> list[tuple[int, int | None]]:
         """Route the complete lines appended since the last pump (with `final`, a last
         line without its newline too). Returns the worker deaths vLLM reported in them."""
-        self.tail.offset = self.offset
         died: list[tuple[int, int | None]] = []
         while chunk := self.tail.read(final, CHUNK):
             died += self._route(chunk, tp_of_pid)
-            self.offset = self.tail.offset
             self._save()
             if not final:
                 break               # one chunk per pass
@@ -142,7 +145,7 @@ class LogSplitter:
             self._bound(name, len(blob))
             with open(self.dir / name, "ab") as f:
                 f.write(blob)
-            self.sizes[name] = (self.dir / name).stat().st_size   # after a cut too
+                self.sizes[name] = f.tell()     # the file's size, after a cut too
         return died
 
     def _bound(self, name: str, coming: int) -> None:
@@ -151,10 +154,12 @@ class LogSplitter:
         is these files' only writer, so it cuts before it appends and keeps the newest lines."""
         bound = self.bounds.get(name)
         if bound is None:
-            rec = logcut.read_cut(self.source)
-            if not rec.get("max_bytes"):
+            if self._cut is None:   # the monitor wrote it at start, long before TP workers appear
+                self._cut = logcut.read_cut(self.source)
+            if not self._cut.get("max_bytes"):
                 return
-            bound = self.bounds[name] = logcut.Bound(self.dir / name, rec["max_bytes"], rec.get("setting", ""))
+            bound = self.bounds[name] = logcut.Bound(self.dir / name, self._cut["max_bytes"],
+                                                     self._cut.get("setting", ""))
         bound.check(coming)
         bound.close()
 

@@ -19,9 +19,7 @@ import os
 from pathlib import Path
 
 from .stacks import report
-
-# How much of a progress file's tail is searched for its last heartbeat.
-_TAIL_BYTES = 64 * 1024
+from .supervisor import tail_text
 
 
 def activity(directory: Path) -> tuple:
@@ -51,7 +49,7 @@ def last_heartbeat(directory: Path) -> dict | None:
     """The newest heartbeat line of any progress file: {"phase", "time", "file"}, or None."""
     best = None
     for path in directory.glob("*.progress.jsonl"):
-        for line in reversed(_tail(path).splitlines()):
+        for line in reversed(tail_text(path).splitlines()):
             try:
                 rec = json.loads(line)
             except ValueError:
@@ -62,15 +60,6 @@ def last_heartbeat(directory: Path) -> dict | None:
                             "file": path.name.split(".")[0]}
                 break
     return best
-
-
-def _tail(path: Path) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - _TAIL_BYTES))
-            return f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
 
 
 def error_record(group, host: str) -> dict:

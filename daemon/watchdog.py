@@ -21,7 +21,7 @@ _RULES = {"straggler": straggler, "stall": stall}
 
 def check(groups, now: float) -> list:
     """The groups (supervisor.Group) found stuck on this look, each with its `stuck` record
-    set and marked as collecting; the caller reports them and runs end() for each."""
+    set (so they count as collecting); the caller reports them and runs end() for each."""
     found = []
     for group in groups:
         if group.stuck is not None or group.teardown_since is not None:
@@ -30,8 +30,7 @@ def check(groups, now: float) -> list:
         stuck = ((group.exit_timeout > 0 and straggler.check(group, now))
                  or (group.stall_timeout > 0 and stall.check(group, now)) or None)
         if stuck is not None:
-            group.stuck = stuck
-            group.collecting = True     # settled only once the stacks are in
+            group.stuck = stuck         # settled only once its stacks are in ("asked")
             found.append(group)
     return found
 
@@ -54,9 +53,8 @@ async def end(group, grace: float, recorded=lambda group: None) -> None:
     except Exception:
         # A failed dump must not leave the hang in place: tear down without the stacks.
         log.exception("run %s: %s attempt %d: collecting stacks failed", group.run_id, group.stage, group.attempt)
-        group.stuck.setdefault("asked", [])
     finally:
-        group.collecting = False
+        group.stuck.setdefault("asked", [])     # collected, or given up on
     recorded(group)
     if group.teardown_since is None:
         await group.teardown(grace, group.stuck["kind"])

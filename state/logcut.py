@@ -26,7 +26,7 @@ from pathlib import Path
 HEAD_SHARE = 0.10       # of the bound kept at the file's start, for good
 MIB = 1 << 20
 CHUNK = 8 << 20         # bytes a Tail reads at most per call, so a flood never stalls a reader
-_CHECK = 64             # bytes before the offset a Tail remembers to recognise its place
+CHECK = 64              # bytes before the offset a reader remembers to recognise its place
 
 
 def sidecar(log: Path | str) -> Path:
@@ -115,6 +115,17 @@ class Bound:
             self.fd = None
 
 
+def remember(before: bytes, data: bytes) -> bytes:
+    """The last CHECK bytes read, once `data` has been read after `before`."""
+    return data[-CHECK:] if len(data) >= CHECK else (before + data)[-CHECK:]
+
+
+def still_there(fd: int, offset: int, before: bytes) -> bool:
+    """Whether the bytes just before `offset` are still `before`: if not, the file was cut (and
+    may have grown back past `offset`, so its size alone does not tell). One small pread."""
+    return not before or os.pread(fd, len(before), offset - len(before)) == before
+
+
 class Tail:
     """Complete lines of a log after an offset (None: its end when first read), read in
     slices of at most CHUNK bytes; notices cuts (`cuts` counts them) and replacement."""
@@ -151,10 +162,9 @@ class Tail:
         if self.offset > size:
             return True
         if self._before is None:            # first look at an offset given from outside: trust it
-            self._before = os.pread(self._fd, min(_CHECK, self.offset), self.offset - min(_CHECK, self.offset))
+            self._before = os.pread(self._fd, min(CHECK, self.offset), self.offset - min(CHECK, self.offset))
             return False
-        n = len(self._before)
-        return n > 0 and os.pread(self._fd, n, self.offset - n) != self._before
+        return not still_there(self._fd, self.offset, self._before)
 
     def read(self, final: bool = False, limit: int = CHUNK) -> bytes:
         """The next complete lines (at most `limit` bytes; a longer line comes in pieces); b""
@@ -170,7 +180,7 @@ class Tail:
             self.cuts += 1
             head = read_cut(self.path).get("head")
             self.offset = head if isinstance(head, int) and 0 <= head <= size else 0
-            self._before = os.pread(self._fd, min(_CHECK, self.offset), self.offset - min(_CHECK, self.offset))
+            self._before = os.pread(self._fd, min(CHECK, self.offset), self.offset - min(CHECK, self.offset))
         if size <= self.offset:
             return b""
         data = os.pread(self._fd, min(size - self.offset, limit), self.offset)
@@ -181,7 +191,7 @@ class Tail:
             end = len(data)                 # one enormous line: pass it on in pieces
         data = data[:end]
         self.offset += end
-        self._before = (self._before + data)[-_CHECK:] if len(data) < _CHECK else data[-_CHECK:]
+        self._before = remember(self._before, data)
         return data
 
     def close(self) -> None:

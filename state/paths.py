@@ -14,7 +14,6 @@ import json
 import os
 import socket
 import stat
-import tempfile
 from pathlib import Path
 
 
@@ -93,6 +92,14 @@ def lock_path(base: Path | None = None) -> Path:
     return (base or state_dir()) / "daemon.lock"
 
 
+def lock_holder(base: Path | None = None) -> int | None:
+    """The pid the lock file names: the daemon holding the lock, or the last one that did."""
+    try:
+        return int(lock_path(base).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def record_path(base: Path | None = None) -> Path:
     """The running daemon's record: {pid, create_time, socket, started}, 0600."""
     return (base or state_dir()) / "daemon.json"
@@ -150,6 +157,8 @@ def socket_path(base: Path | None = None, create: bool = True) -> Path:
 
 def write_record(base: Path, **fields) -> None:
     """Replace the daemon's record atomically: a reader sees the old one or the new one."""
+    import tempfile     # here: every CLI command imports this module, and only the daemon writes
+
     fd, tmp = tempfile.mkstemp(dir=base, prefix=".daemon.json.")  # mkstemp makes it 0600
     try:
         with os.fdopen(fd, "w") as f:
@@ -186,17 +195,20 @@ def _answers(path: Path) -> bool:
 def find_socket(base: Path | None = None) -> Path:
     """The socket a client of the daemon of `base` should use.
 
-    The computed path when something answers there; else the socket the daemon's record names,
+    The computed path when the daemon's record names it, or when something answers there; else
+    the socket the record names,
     while the recorded process (pid and create time) lives: the daemon may serve from another
     runtime directory than this process computes (no $XDG_RUNTIME_DIR in a cron job, a runtime
     directory removed under it). Else the computed path, so that errors name it.
     """
     computed = socket_path(base, create=False)
-    if _answers(computed):
-        return computed
     record = read_record(base)
+    # The common cases cost one small file read: no daemon recorded, or it serves where we look.
+    # Only a record naming another socket is worth a probe (and psutil) before it is followed.
     if not record or not isinstance(record.get("pid"), int) or record.get("create_time") is None \
-            or not isinstance(record.get("socket"), str):
+            or not isinstance(record.get("socket"), str) or Path(record["socket"]) == computed:
+        return computed
+    if _answers(computed):
         return computed
     # psutil only on this fallback: importing the client stays stdlib-only.
     from eyas.state import procs

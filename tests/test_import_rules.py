@@ -121,7 +121,7 @@ def test_workers_import_no_daemon_or_tui():
 def test_tui_uses_only_client_protocol_and_read_only_state():
     allowed_daemon = {"eyas.daemon", "eyas.daemon.client", "eyas.daemon.protocol"}
     allowed_state = {"eyas.state", "eyas.state.queries", "eyas.state.paths", "eyas.state.machine",
-                     "eyas.state.display", "eyas.state.logtime", "eyas.state.procs"}
+                     "eyas.state.display", "eyas.state.logtime", "eyas.state.procs", "eyas.state.logcut"}
 
     def rule(n):
         if n.startswith("eyas.daemon") and n not in allowed_daemon and _is_real_module(n):

@@ -7,7 +7,6 @@ import time
 
 import psutil
 
-from eyas.daemon import supervisor
 from eyas.state import procs
 from eyas.tui.procs import ProcWatch
 
@@ -18,10 +17,10 @@ def test_a_clock_step_does_not_lose_a_live_process_but_a_recycled_pid_is_another
         created = psutil.Process(child.pid).create_time()
         # Half a second off: what psutil reads for the same process after the wall clock
         # stepped. The daemon used to demand 0.01 s and dropped such a rank on re-adoption.
-        assert supervisor._alive(child.pid, created + 0.5)
+        assert procs.alive(child.pid, created + 0.5)
         assert procs.alive(child.pid, created - 0.5)
         # Minutes off: another process that got the same pid.
-        assert not supervisor._alive(child.pid, created + 120)
+        assert not procs.alive(child.pid, created + 120)
         # The TUI reads a rank's tree by the same rule.
         grand = subprocess.Popen(["sh", "-c", "sleep 30 & wait"])
         try:

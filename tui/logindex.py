@@ -16,6 +16,7 @@ import os
 import threading
 from pathlib import Path
 
+from eyas.state import logcut
 from eyas.state.logtime import stamp
 
 # Bytes read per indexing step: big enough that split() runs at C speed, small enough that
@@ -26,8 +27,6 @@ MAX_SHOWN = 64 << 10
 # Stamps are looked for only this far back from a line without one (see `stamp`); beyond,
 # a per-block checkpoint answers, so a log of a million unstamped lines stays cheap.
 BLOCK = 256
-# Bytes kept from the end of what was indexed, to recognise a file cut behind our back.
-_CHECK = 64
 
 def parse_stamp(line: str, year: str, monthday: str) -> str | None:
     """The sortable local time a line starts with, or None (eyas.state.logtime)."""
@@ -103,15 +102,12 @@ class LogFile:
         with self._lock:
             self._starts.extend(starts)
             self._scanned = base + len(data)
-        self._before = data[-_CHECK:] if len(data) >= _CHECK else (self._before + data)[-_CHECK:]
+        self._before = logcut.remember(self._before, data)
         return len(data)
 
     def _moved(self) -> bool:
-        """True when the bytes last indexed are no longer there: the log was cut at its bound
-        (state/logcut.py) and has grown back past where indexing stopped, so its size alone
-        does not tell. One small pread per look."""
-        n = len(self._before)
-        return n > 0 and os.pread(self._fd, n, self._scanned - n) != self._before
+        """True when the bytes last indexed are no longer there: the log was cut at its bound."""
+        return not logcut.still_there(self._fd, self._scanned, self._before)
 
     def _reopen(self, ino: tuple[int, int]) -> None:
         if self._fd is not None:

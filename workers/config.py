@@ -104,7 +104,7 @@ class EvaluateConfig:
     tensor_parallel_size: int | None = None
 
 
-LOG_MAX_MB = 512   # stages.<name>.log_max_mb's default; the rank monitor reads it from here too
+LOG_MAX_MB = 512   # stages.<name>.log_max_mb's default; the daemon hands each rank its bound
 
 
 @dataclass(frozen=True)

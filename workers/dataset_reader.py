@@ -153,7 +153,12 @@ def _parse_array(path: Path) -> list:
 
 def is_array_file(path: Path) -> bool:
     with open(path, "rb") as f:
-        return _is_array(_strip_bom(f.read(4096)))
+        return is_array_head(f.read(4096))
+
+
+def is_array_head(head: bytes) -> bool:
+    """Whether a file that starts with `head` is one JSON array (else it is read as JSONL)."""
+    return _is_array(_strip_bom(head))
 
 
 def lines(f: BinaryIO, limit: int) -> Iterator[tuple[int, bytes | None, int]]:

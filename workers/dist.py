@@ -35,11 +35,9 @@ class Dist:
 
     def __init__(self, ctx, device: str = "cpu", *, backend: str | None = None,
                  timeout: timedelta = timedelta(hours=2)):
-        self.world_size = ctx.world_size
-        self.rank = ctx.rank
         self.active = False
         self._models: list[weakref.ref] = []
-        if self.world_size > 1:
+        if ctx.world_size > 1:
             import torch.distributed as dist
             # Imported before the group exists: its functions take `group=group.WORLD` as a default,
             # evaluated at import, and DDP imports it lazily (through torch.distributed._shard) once

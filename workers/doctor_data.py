@@ -33,7 +33,7 @@ MAX_FILES = 64              # files of a directory examined (the rest: counted a
 class _File:
     path: Path
     size: int
-    refused: str = ""                                       # why prepare would take no row from it
+    refused: tuple[str, str] | None = None                  # (what, fix): why prepare would take no row from it
     problems: list[tuple[str, str]] = field(default_factory=list)   # (what, fix): rows it would skip
     rows: int = 0                                           # rows sampled
     good: int = 0                                           # of which usable as data.format
@@ -84,19 +84,14 @@ def _inspect(path: Path, fmt: str, limit: int, budget: list[int]) -> _File:
     if bad:
         f.problems.append((bad, f"convert it to UTF-8, e.g. iconv -f latin1 -t utf-8 {path} > {path}.utf8 "
                                 "(rows with such bytes are skipped as not_utf8)"))
-    if reader.is_array_file(path) and f.size > reader.ARRAY_MAX_BYTES:
-        try:
-            reader.count_rows([path])
-        except reader.DataError as exc:
-            problem, _, fix = str(exc).partition("; ")
-            f.refused = (problem.partition(": ")[2], fix)
-        return f
-    if not reader.is_array_file(path):
+    # An array too big to parse is refused by read_rows below, before it reads a byte of it.
+    if not reader.is_array_head(head):
         long_lines, longest, lines, whole = _scan(path, limit, budget)
         if long_lines:
             what = (f"{long_lines} line{'s' if long_lines != 1 else ''} over the {limit}-byte row limit"
                     f"{'' if whole else ' in its part scanned'} (the longest {human_bytes(longest)})")
-            fix = "split or drop those rows, or raise data.max_length (the limit is max_length × 64 bytes)"
+            fix = (f"split or drop those rows, or raise data.max_length (the limit is max_length × "
+                   f"{reader.ROW_BYTES_PER_TOKEN} bytes, at least {human_bytes(reader.ROW_BYTES_MIN)})")
             if long_lines == lines and whole:
                 f.refused = (f"{what}, and no other row: prepare would skip every row as too_long", fix)
                 return f

@@ -10,7 +10,6 @@ It must start fast: stdlib + psutil only.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import stat
@@ -93,20 +92,9 @@ class _Forwarder:
 CHECK_S = 0.5
 
 
-def log_bound(stage: str | None, config_path: str | None) -> tuple[float, str]:
-    """The rank log's bound in MiB (0: none) from the run config, and how to name the setting."""
-    value = None
-    try:
-        stages = json.loads(Path(config_path).read_text()).get("stages") or {} if config_path else {}
-        value = (stages.get(stage) or {}).get("log_max_mb")
-    except (OSError, ValueError, AttributeError):
-        pass
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-        # Imported only here, off the start path (this runs in LogBound's thread): config
-        # takes ~40 ms to import, and the default lives with the key's declaration.
-        from eyas.workers.config import LOG_MAX_MB
-        value = LOG_MAX_MB
-    return value, f"stages.{stage}.log_max_mb = {value:g}"
+# The rank log's bound in MiB, resolved by the daemon from stages.<name>.log_max_mb (unset or
+# 0: none, as for a monitor run by hand).
+LOG_MAX_MB_ENV = "EYAS_LOG_MAX_MB"
 
 
 class LogBound(threading.Thread):
@@ -120,28 +108,26 @@ class LogBound(threading.Thread):
     it dies with the monitor.
     """
 
-    def __init__(self, path: Path, stage: str | None, config_path: str | None):
+    def __init__(self, path: Path, stage: str | None, mb: float):
         super().__init__(name="eyas-log-bound", daemon=True)
-        self.path, self.stage, self.config_path = path, stage, config_path
-        self.max_bytes = 0
-        self.halt = threading.Event()
+        self.path, self.stage, self.mb = path, stage, mb
 
     def run(self) -> None:
-        mb, setting = log_bound(self.stage, self.config_path)
-        self.max_bytes = int(mb * MIB)
+        max_bytes = int(self.mb * MIB)
         try:
             out, log = os.fstat(1), os.stat(self.path)
         except OSError:
             return
         # Only the log the daemon gave us: a monitor run by hand with stdout elsewhere cuts nothing.
-        if self.max_bytes <= 0 or not stat.S_ISREG(out.st_mode) or (out.st_dev, out.st_ino) != (log.st_dev, log.st_ino):
+        if max_bytes <= 0 or not stat.S_ISREG(out.st_mode) or (out.st_dev, out.st_ino) != (log.st_dev, log.st_ino):
             return
-        bound = Bound(self.path, self.max_bytes, setting)
+        bound = Bound(self.path, max_bytes, f"stages.{self.stage}.log_max_mb = {self.mb:g}")
         try:
             bound.record()
         except OSError:
             pass
-        while not self.halt.wait(CHECK_S):
+        while True:
+            time.sleep(CHECK_S)
             bound.check()
 
 
@@ -170,7 +156,11 @@ def main() -> int:
         print(f"eyas: rank {rank}: could not start the rank runtime: {exc}", file=sys.stderr, flush=True)
         return 1
     forwarder.attach(proc)
-    LogBound(attempt_dir / f"rank-{rank}.log", os.environ.get("EYAS_STAGE"), os.environ.get("EYAS_CONFIG")).start()
+    try:
+        mb = float(os.environ.get(LOG_MAX_MB_ENV) or 0)
+    except ValueError:
+        mb = 0.0
+    LogBound(attempt_dir / f"rank-{rank}.log", os.environ.get("EYAS_STAGE"), mb).start()
     try:
         atomic.write_json(attempt_dir / f"rank-{rank}.proc.json", {
             "monitor_pid": os.getpid(),

@@ -199,8 +199,7 @@ def main(env: dict[str, str] | None = None) -> int:
             record = error_record(exc, rank=rank, stage=environ.get("EYAS_STAGE"),
                                   attempt=int_or_none(environ.get("EYAS_ATTEMPT")))
         if attempt_dir:
-            # Named from the raw RANK, as the monitor names its files.
-            write_error(Path(attempt_dir) / f"rank-{environ.get('RANK') or 0}.error.json", record)
+            write_error(rank_file(environ, "error.json"), record)
         # Only after the file exists: whoever reads the log's traceback finds the record too.
         print(record["traceback"], end="", file=sys.stderr, flush=True)
         return _exit_code(exc)
@@ -212,6 +211,12 @@ def main(env: dict[str, str] | None = None) -> int:
                 print(f"eyas: could not write progress: {exc}", file=sys.stderr, flush=True)
 
 
+def rank_file(environ, suffix: str) -> Path:
+    """rank-<r>.<suffix> in the attempt dir, named from the raw RANK as the monitor names its
+    files (a RankContext may not exist when this is needed)."""
+    return Path(environ["EYAS_ATTEMPT_DIR"]) / f"rank-{environ.get('RANK') or 0}.{suffix}"
+
+
 def int_or_none(raw: str | None) -> int | None:
     try:
         return int(raw) if raw else None
@@ -219,7 +224,7 @@ def int_or_none(raw: str | None) -> int | None:
         return None
 
 
-def exit_rank(code: int, env: dict[str, str] | None = None) -> None:
+def exit_rank(code: int) -> None:
     """Record that the stage is over in rank-<r>.done.json, then end the process with `code`.
 
     The end is os._exit, without interpreter finalisation: what runs there (destructors of
@@ -232,10 +237,9 @@ def exit_rank(code: int, env: dict[str, str] | None = None) -> None:
     flushed here. EYAS_RANK_FINALIZE=1 keeps the normal interpreter exit, to debug such a
     destructor; the daemon's straggler rule (stages.<name>.exit_timeout) still bounds it.
     """
-    environ = os.environ if env is None else env
-    attempt_dir = environ.get("EYAS_ATTEMPT_DIR")
-    if attempt_dir:
-        path = Path(attempt_dir) / f"rank-{environ.get('RANK') or 0}.done.json"
+    environ = os.environ
+    if environ.get("EYAS_ATTEMPT_DIR"):
+        path = rank_file(environ, "done.json")
         try:
             atomic.write_json(path, {"pid": os.getpid(), "time": time.time(), "exit_code": code})
         except OSError as exc:

@@ -168,7 +168,7 @@ class Trainer:
                                  s.vocab_dir, s.attn_impl, s.trust_remote_code)
 
     def _resume(self, model) -> tuple[checkpoint.Checkpoint | None, _Position]:
-        s, ctx = self.s, self.ctx
+        s = self.s
         if self.main:
             removed = checkpoint.clean(s.checkpoints)
             if removed:

@@ -288,7 +288,7 @@ class LogsScreen(EyasScreen):
         """For a hang: every live rank writes its Python stacks into its log, which this view follows."""
         self.query_one(LogView).follow = True
         self._status()
-        self.run_worker(self.control("stacks", run=self.run_id, stage=self.stage_name), group="control")
+        self.run_worker(self.control("stacks", run=self.run_id, stage=self.stage_name, native=False), group="control")
 
     def action_wrap(self) -> None:
         view = self.query_one(LogView)

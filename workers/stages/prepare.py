@@ -26,6 +26,7 @@ crash mid-way leaves an earlier complete output untouched.
 from __future__ import annotations
 
 import functools
+import contextlib
 import hashlib
 import logging
 import os
@@ -63,7 +64,8 @@ def main(ctx) -> None:
     try:
         summary, freq, splits = build(cfg, tmp / "dataset", ctx.progress)
         summary["outputs"] = [str(stage_dir / name) for name in ("dataset", "token_freq.npy", "splits.json")]
-        publish(stage_dir, tmp, freq, splits, summary)
+        with ctx.progress.beating("publish dataset"):     # fsyncs every file: minutes on a big one
+            publish(stage_dir, tmp, freq, splits, summary)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     atomic.write_json(ctx.attempt_dir / "summary.json", summary)
@@ -145,6 +147,11 @@ class _Skips:
         return {r: self.counts[r] for r in SKIP_REASONS if self.counts[r]}
 
 
+def _beating(progress, phase: str):
+    """Heartbeats through `phase` when there is a progress file (tests call build() without one)."""
+    return progress.beating(phase) if progress is not None else contextlib.nullcontext()
+
+
 def build(cfg: RunConfig, dataset_dir: Path, progress=None) -> tuple[dict[str, Any], np.ndarray, dict[str, Any]]:
     """Read, render, mask and count every row; save the dataset to `dataset_dir`; return the
     summary, the token frequencies and the splits."""
@@ -153,7 +160,8 @@ def build(cfg: RunConfig, dataset_dir: Path, progress=None) -> tuple[dict[str, A
     files = data_files(data.path)
     # Rows over this many bytes are skipped unread (too_long): see dataset_reader.row_byte_limit.
     row_bytes = row_byte_limit(data.max_length)
-    total = count_rows(files, row_bytes)
+    with _beating(progress, "count rows"):      # a pass over the whole file: silent on a big one
+        total = count_rows(files, row_bytes)
     log.info("prepare: %d rows in %d file(s) under %s; max_length %d (rows over %d bytes skipped), format %s, "
              "limit %s", total, len(files), data.path, data.max_length, row_bytes, data.format, data.limit or "none")
     if progress:
@@ -188,7 +196,8 @@ def build(cfg: RunConfig, dataset_dir: Path, progress=None) -> tuple[dict[str, A
     if rows.rows == 0:
         raise ValueError(f"data.path: no usable rows in {data.path} ({rows_in} read, skipped: "
                          f"{skips.as_dict() or 'none'}); fix the data or its format (see the log for examples)")
-    rows.save(dataset_dir)
+    with _beating(progress, "save dataset"):
+        rows.save(dataset_dir)
     validation = validation_rows(rows.rows, data.validation_fraction, cfg.train.seed)
     splits = {"rows": rows.rows, "validation_fraction": data.validation_fraction, "seed": cfg.train.seed,
               "validation": validation}
