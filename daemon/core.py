@@ -1,6 +1,13 @@
 """The daemon's core: runs and stages, device queues, controls, and supervision of the
 live rank groups. It answers the socket API (as the server's handler) and keeps SQLite
-up to date; it is the only writer of the store."""
+up to date; it is the only writer of the store.
+
+Every read and write of the store runs on the store thread (daemon/storewriter.py), never
+on the event loop: a function `fn(db)` is one transaction there. The loop waits for one
+only where the answer decides what it does next (a request's reply, the start of an
+attempt, which must be recorded before its ranks are spawned); the rest (rank exits, pids,
+metrics) is queued and written in order, so a database locked by another process delays
+the record and never the supervision."""
 
 from __future__ import annotations
 
@@ -10,8 +17,11 @@ import inspect
 import json
 import logging
 import os
+import shutil
 import socket
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +31,9 @@ from eyas.state import machine, paths, store
 from eyas.workers import config as run_config
 from eyas.workers import specs
 
-from . import diskfull, intent, native, protocol, settle, stacks, watchdog
+from . import diskfull, intent, protocol, settle, stacks, watchdog
+from . import native as native_stacks
+from .storewriter import StoreBusy, Writer
 from .logsplit import LogSplitter
 from .protocol import ProtocolError
 from .sampler import RankRef, Sampler
@@ -36,12 +48,36 @@ SAMPLE_PERIOD = 1.0
 METRICS_MAX_AGE = 7 * 24 * 3600.0
 METRICS_MAX_ROWS = 2_000_000
 PRUNE_PERIOD = 600.0
+# How long a request waits for the store when another process holds the database locked,
+# before its answer is "store busy" (and nothing of it was done); clients wait longer.
+OP_TIMEOUT = 5.0
+# How long a stop waits for its intent to be recorded before signalling anyway (the
+# settlement, written once the lock goes, carries the reason from memory).
+INTENT_WAIT = 1.0
+SHUTDOWN_WAIT_S = 30.0
+
+
+@dataclass
+class _Start:
+    """An attempt the scheduler recorded as started: what its ranks are spawned with."""
+
+    run_id: int
+    stage: str
+    cfg: dict
+    attempt_id: int
+    number: int
+    attempt_dir: Path
+    world_size: int
+    devices: list[int]
+    output_dir: Path
+    run_dir: Path
 
 
 class Core:
     def __init__(self, db, home: Path, *, grace: float = 10.0, sampler: Sampler | None = None,
                  publish=None, wants=None):
-        self.db = db
+        self.db = db            # the store thread's connection: used only inside store jobs
+        self.store = Writer(db, on_busy=self._store_changed)
         self.home = home
         self.grace = grace
         self.sampler = sampler or Sampler()
@@ -51,8 +87,14 @@ class Core:
         self.groups: dict[int, Group] = {}           # attempt id -> live group
         # A full state directory (daemon/diskfull.py): no attempt starts while it lasts.
         self.disk = diskfull.Condition(home)
+        self.served_socket: Path | None = None   # set by the daemon's main as it binds (and rebinds)
         self.disk.on_change = self._disk_changed
-        self._held: list[dict] | None = None       # state events of the open transaction
+        # The state events of the store job running on this thread: published once it commits.
+        self._local = threading.local()
+        self._planning = False           # a scheduling pass is recording or spawning
+        self._decide = asyncio.Lock()    # held while the scheduler plans and spawns, and by a stop
+        self._metrics_lock = threading.Lock()
+        self._metrics_buf: dict | None = None      # samples waiting for the store thread
         self.waiting: dict[int, str] = {}            # run id -> why it waits
         self.started = time.time()
         self.stopping = False
@@ -67,28 +109,83 @@ class Core:
     def _emit_state(self, run_id: int, entity: str, new: str, reason: str, stage=None, attempt=None) -> None:
         event = {"run_id": run_id, "stage": stage, "attempt": attempt, "entity": entity,
                  "to_state": new, "reason": reason, "time": time.time()}
-        if self._held is not None:
-            self._held.append(event)
+        held = getattr(self._local, "held", None)
+        if held is not None:        # inside a store job: announced once it has committed
+            held.append(event)
         else:
             self.publish("state", event)
 
-    @contextlib.contextmanager
     def transaction(self):
-        """One store transaction, nested ones joining it; its state events go out to the
-        subscribers only once it has committed, so that none announces a rolled-back change."""
-        if self._held is not None:
-            with self.db.atomic():
-                yield
-            return
-        self._held = []
-        try:
-            with self.db.atomic():
-                yield
-            events = self._held
-        finally:
-            self._held = None
+        """A nested transaction inside a store job (a savepoint): the parts of a decision that
+        must happen whole, or not at all, within the job's own transaction."""
+        return self.db.atomic()
+
+    def _job(self, fn):
+        """`fn(db)` as a store job that also returns the state events it emitted, so that they
+        go out to the subscribers only once it committed, never for a rolled-back change."""
+        def run(db):
+            self._local.held = []
+            try:
+                return fn(db), self._local.held
+            finally:
+                self._local.held = None
+        return run
+
+    def _announce(self, events: list[dict]) -> None:
         for event in events:
             self.publish("state", event)
+
+    async def write(self, fn, what: str, *, timeout: float | None = None):
+        """Run `fn(db)` as one transaction on the store thread and return its result; with
+        `timeout`, StoreBusy when the database stayed locked that long (nothing was done)."""
+        result, events = await self.store.call(self._job(fn), what, timeout=timeout)
+        self._announce(events)
+        return result
+
+    def submit(self, fn, what: str) -> asyncio.Future:
+        """Queue `fn(db)` now, in order with every write queued after it; the future holds its
+        result (its state events announced) or its exception."""
+        inner = self.store.submit(self._job(fn), what)
+        outer = asyncio.get_running_loop().create_future()
+
+        def finished(f: asyncio.Future) -> None:
+            if f.cancelled():
+                outer.cancel()
+            elif f.exception() is not None:
+                outer.set_exception(f.exception())
+            else:
+                result, events = f.result()
+                self._announce(events)
+                outer.set_result(result)
+        inner.add_done_callback(finished)
+        return outer
+
+    def write_later(self, fn, what: str) -> asyncio.Future:
+        """Queue `fn(db)` without waiting for it: a write that a later one repeats or that is
+        worth less than going on (a pid, an exit that the settlement writes again, metrics).
+        A full disk is noted on the condition; other errors are logged (eyas's own bugs)."""
+        future = self.submit(fn, what)
+
+        def finished(f: asyncio.Future) -> None:
+            exc = None if f.cancelled() else f.exception()
+            if exc is None:
+                return
+            if diskfull.is_full(exc):
+                self.disk.mark(what, exc)
+            else:
+                log.error("%s failed", what, exc_info=exc)
+        future.add_done_callback(finished)
+        return future
+
+    def _store_changed(self, busy) -> None:
+        """A daemon-wide state event (no run): another process holds the database locked, or released it."""
+        status = self.store.status()
+        self.publish("state", {"run_id": None, "stage": None, "attempt": None, "entity": "store",
+                               "to_state": "busy" if busy else "ok", "busy": status,
+                               "reason": (f"store busy: waiting for a lock on eyas.db ({busy.what})" if busy
+                                          else "the store is free again"), "time": time.time()})
+        if busy is None:
+            self.poke()
 
     def _move_run(self, run_id: int, new: str, reason: str, **fields) -> None:
         store.move_run(self.db, run_id, new, reason, **fields)
@@ -130,6 +227,8 @@ class Core:
             raise ProtocolError(protocol.ILLEGAL, str(exc)) from None
         except store.NotFound as exc:
             raise ProtocolError(protocol.NOT_FOUND, str(exc)) from None
+        except StoreBusy as exc:
+            raise ProtocolError(protocol.STORE_BUSY, str(exc)) from None
         except Exception as exc:
             if not diskfull.is_full(exc):
                 raise
@@ -145,6 +244,7 @@ class Core:
         return {"pid": os.getpid(), "version": protocol.VERSION}
 
     def op_status(self) -> dict:
+        """Served from memory alone, so that it answers whatever the store is doing."""
         active = []
         for g in self.groups.values():
             live = self.stage_live.get((g.run_id, g.stage), {})
@@ -155,20 +255,30 @@ class Core:
                            "progress": live.get("progress")})
         return {"pid": os.getpid(), "uptime": time.time() - self.started, "home": str(self.home),
                 # The socket the server serves (daemon.main sets it; it moves when rebound).
-                "socket": str(getattr(self, "served_socket", None) or paths.socket_path(self.home, create=False)),
+                "socket": str(self.served_socket or paths.socket_path(self.home, create=False)),
                 "database": str(paths.db_path(self.home)),
                 "active": active, "waiting": {str(k): v for k, v in self.waiting.items()},
-                "gpu": self.sampler.gpu_available, "full": self.disk.status()}
+                "gpu": self.sampler.gpu_available, "full": self.disk.status(),
+                "store_busy": self.store.status()}
 
-    def _run(self, run: Any) -> dict:
+    @staticmethod
+    def _run_id(run: Any) -> int:
         if isinstance(run, bool) or not isinstance(run, (int, str)) or not str(run).strip().isdigit():
             raise ProtocolError(protocol.BAD_REQUEST, f"run: {run!r} is not a run id (a whole number)")
-        try:
-            return self.db["runs"].get(int(run))
-        except NotFoundError:
-            raise store.NotFound(f"no run {run}") from None
+        return int(run)
 
-    def op_submit(self, config_path: str) -> dict:
+    @staticmethod
+    def _run_row(db, run_id: int) -> dict:
+        try:
+            return db["runs"].get(run_id)
+        except NotFoundError:
+            raise store.NotFound(f"no run {run_id}") from None
+
+    async def _request(self, fn, what: str):
+        """A request's transaction: its answer, or StoreBusy after OP_TIMEOUT of a held lock."""
+        return await self.write(fn, what, timeout=OP_TIMEOUT)
+
+    async def op_submit(self, config_path: str) -> dict:
         try:
             cfg = run_config.load(Path(config_path))
         except run_config.ConfigError as exc:
@@ -180,25 +290,41 @@ class Core:
             stages.append({"name": name, "max_restarts": max_restarts,
                            "world_size": run_config.stage_world_size(cfg, name)})
         model = Path(cfg.target.path).name if getattr(cfg.target, "path", None) else None
-        # The folder first, then the row that records it: the id is one no folder on disk
-        # has (paths.claim_run_dir), whatever the database remembers.
-        last = self.db.execute("SELECT max(id) FROM runs").fetchone()[0] or 0
-        run_id, run_dir = paths.claim_run_dir(last + 1, self.home)
-        output_dir = Path(cfg.output_dir) if cfg.output_dir else run_dir / "out"
-        data["output_dir"] = str(output_dir)
-        (run_dir / "config.json").write_text(json.dumps(data, indent=2))
-        store.create_run(self.db, name=cfg.name, model=model, stages=stages, config=data,
-                         config_path=str(Path(config_path).absolute()), output_dir=str(output_dir),
-                         run_id=run_id, dir=str(run_dir))
-        self._emit_state(run_id, "run", "pending", "submitted")
+        claimed: list[Path] = []
+
+        def create(db):
+            # The folder first, then the row that records it: the id is one no folder on disk
+            # has (paths.claim_run_dir), whatever the database remembers.
+            last = db.execute("SELECT max(id) FROM runs").fetchone()[0] or 0
+            run_id, run_dir = paths.claim_run_dir(last + 1, self.home)
+            claimed.append(run_dir)
+            output_dir = Path(cfg.output_dir) if cfg.output_dir else run_dir / "out"
+            data["output_dir"] = str(output_dir)
+            (run_dir / "config.json").write_text(json.dumps(data, indent=2))
+            store.create_run(db, name=cfg.name, model=model, stages=stages, config=data,
+                             config_path=str(Path(config_path).absolute()), output_dir=str(output_dir),
+                             run_id=run_id, dir=str(run_dir))
+            self._emit_state(run_id, "run", "pending", "submitted")
+            return run_id, output_dir
+
+        try:
+            run_id, output_dir = await self._request(create, f"recording the submitted run {cfg.name}")
+        except BaseException:
+            # No run records these folders (a full disk, a held lock): none is left behind
+            # for the next daemon to warn about.
+            for run_dir in claimed:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        for run_dir in claimed[:-1]:        # claimed by a try that met the lock
+            shutil.rmtree(run_dir, ignore_errors=True)
         log.info("run %s submitted: %s (%s)", run_id, cfg.name, ", ".join(cfg.pipeline))
         return {"run_id": run_id, "stages": list(cfg.pipeline), "output_dir": str(output_dir)}
 
-    def _stage_or_default(self, run_id: int, stage: str | None, states: tuple[str, ...]) -> str:
+    def _stage_or_default(self, db, run_id: int, stage: str | None, states: tuple[str, ...]) -> str:
         if stage:
-            store.stage_row(self.db, run_id, stage)
+            store.stage_row(db, run_id, stage)
             return stage
-        for row in self.db["stages"].rows_where("run_id = ?", [run_id], order_by="position"):
+        for row in db["stages"].rows_where("run_id = ?", [run_id], order_by="position"):
             if row["state"] in states:
                 return row["name"]
         raise machine.IllegalTransition(f"run {run_id} has no stage that is {' or '.join(states)}")
@@ -207,73 +333,108 @@ class Core:
         return next((g for g in self.groups.values()
                      if g.run_id == run_id and (stage is None or g.stage == stage)), None)
 
-    def op_stop(self, run: int, stage: str | None = None) -> dict:
-        row = self._run(run)
-        run_id = row["id"]
-        if stage is None:
-            machine.check("run", row["state"], "cancelled", f"run {run_id}")
-        group = self._group_of(run_id, stage)
-        target = stage or (group.stage if group else None)
-        if group is not None:
-            intent.stop(self, group, "stopped by the user")
-            return {"run_id": run_id, "stage": group.stage, "stopping": True}
-        if target is None:
-            target = self._stage_or_default(run_id, None, ("running", "pending"))
-        srow = store.stage_row(self.db, run_id, target)
-        with self.transaction():    # the stage and its run together (a pending restart goes with the move)
-            self._move_stage(run_id, target, "cancelled", "stopped by the user")
-            if srow["state"] == "running" or stage is None:
-                self._finish_run(run_id, "cancelled", f"stage {target} stopped by the user")
+    @contextlib.asynccontextmanager
+    async def _deciding(self, what: str):
+        """Hold off the scheduler: what is in memory (the live groups) and in the store agree
+        while a stop looks at both."""
+        try:
+            await asyncio.wait_for(self._decide.acquire(), OP_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise StoreBusy(self.store._busy_text(what)) from None
+        try:
+            yield
+        finally:
+            self._decide.release()
+
+    async def op_stop(self, run: int, stage: str | None = None) -> dict:
+        run_id = self._run_id(run)
+        async with self._deciding(f"stopping run {run_id}"):
+            row = await self._request(lambda db: self._run_row(db, run_id), f"reading run {run_id}")
+            if stage is None:
+                machine.check("run", row["state"], "cancelled", f"run {run_id}")
+            group = self._group_of(run_id, stage)
+            if group is not None:
+                await self._cancel_group(group, "stopped by the user")
+                return {"run_id": run_id, "stage": group.stage, "stopping": True}
+
+            def stop(db):
+                row = self._run_row(db, run_id)
+                if stage is None:
+                    machine.check("run", row["state"], "cancelled", f"run {run_id}")
+                target = stage or self._stage_or_default(db, run_id, None, ("running", "pending"))
+                srow = store.stage_row(db, run_id, target)
+                # The stage and its run together (a pending restart goes with the move).
+                self._move_stage(run_id, target, "cancelled", "stopped by the user")
+                if srow["state"] == "running" or stage is None:
+                    self._finish_run(db, run_id, "cancelled", f"stage {target} stopped by the user")
+                return target
+
+            target = await self._request(stop, f"stopping run {run_id}")
         return {"run_id": run_id, "stage": target, "stopping": False}
 
-    def op_retry(self, run: int, stage: str | None = None) -> dict:
-        row = self._run(run)
-        run_id = row["id"]
-        if row["state"] not in ("pending", "running"):
-            machine.check("run", row["state"], "pending", f"run {run_id}")
-        stage = self._stage_or_default(run_id, stage, ("failed", "cancelled"))
-        with self.transaction():    # both or neither: a pending stage of a failed run never starts
-            self._move_stage(run_id, stage, "pending", "retry requested", restarts=0)
+    async def op_retry(self, run: int, stage: str | None = None) -> dict:
+        run_id = self._run_id(run)
+
+        def retry(db):
+            row = self._run_row(db, run_id)
+            if row["state"] not in ("pending", "running"):
+                machine.check("run", row["state"], "pending", f"run {run_id}")
+            name = self._stage_or_default(db, run_id, stage, ("failed", "cancelled"))
+            # Both or neither: a pending stage of a failed run never starts.
+            self._move_stage(run_id, name, "pending", "retry requested", restarts=0)
             if row["state"] in ("failed", "cancelled"):
-                self._move_run(run_id, "pending", f"retry of {stage} requested")
+                self._move_run(run_id, "pending", f"retry of {name} requested")
+            return name
+
+        return {"run_id": run_id, "stage": await self._request(retry, f"retrying run {run_id}")}
+
+    async def op_skip(self, run: int, stage: str) -> dict:
+        run_id = self._run_id(run)
+
+        def skip(db):
+            self._run_row(db, run_id)
+            srow = store.stage_row(db, run_id, stage)
+            if srow["state"] == "running":
+                raise machine.IllegalTransition(
+                    f"stage {stage} of run {run_id} is running; stop it first (eyas stop {run_id} --stage {stage})")
+            self._move_stage(run_id, stage, "skipped", "skipped by the user")
+
+        await self._request(skip, f"skipping {stage} of run {run_id}")
         return {"run_id": run_id, "stage": stage}
 
-    def op_skip(self, run: int, stage: str) -> dict:
-        row = self._run(run)
-        run_id = row["id"]
-        srow = store.stage_row(self.db, run_id, stage)
-        if srow["state"] == "running":
-            raise machine.IllegalTransition(
-                f"stage {stage} of run {run_id} is running; stop it first (eyas stop {run_id} --stage {stage})")
-        self._move_stage(run_id, stage, "skipped", "skipped by the user")
-        return {"run_id": run_id, "stage": stage}
-
-    async def op_stacks(self, run: int, stage: str | None = None) -> dict:
+    async def op_stacks(self, run: int, stage: str | None = None, native: bool = True) -> dict:
         """Ask the live ranks of the run's running stage to write their Python stacks to their
-        logs, and return every live process's native stacks (py-spy) in the reply."""
-        run_id = self._run(run)["id"]
+        logs, and with `native`, return those and every live process's native stacks (py-spy) in
+        the reply. Without it the reply comes at once (the TUI follows the logs instead)."""
+        run_id = self._run_id(run)
         group = self._group_of(run_id, stage)
         if group is None:
+            # Only to tell "no such run" from "nothing running"; a live group needs no store.
+            await self._request(lambda db: self._run_row(db, run_id), f"reading run {run_id}")
             what = f"stage {stage} of run {run_id} is not running" if stage else f"run {run_id} has no running stage"
             raise machine.IllegalTransition(f"{what}: only live ranks have stacks "
                                             f"(a failed rank's traceback: eyas errors {run_id})")
-        ranks = await stacks.collect([*group.ranks, *group.workers.values()],
-                                     native_timeout=native.INTERACTIVE_TIMEOUT)
+        members = [*group.ranks, *group.workers.values()]
+        ranks = (await stacks.collect(members, native_timeout=native_stacks.INTERACTIVE_TIMEOUT) if native
+                 else stacks.request(members))
         log.info("run %s: %s attempt %d: stacks requested from %d ranks", run_id, group.stage, group.attempt,
                  sum("offset" in r for r in ranks))
         return {"run_id": run_id, "stage": group.stage, "attempt": group.attempt, "ranks": ranks}
 
-    def op_resume(self, run: int) -> dict:
-        row = self._run(run)
-        run_id = row["id"]
-        machine.check("run", row["state"], "pending", f"run {run_id}")
-        again = []
-        with self.transaction():
-            for s in self.db["stages"].rows_where("run_id = ? and state in ('failed','cancelled')", [run_id]):
+    async def op_resume(self, run: int) -> dict:
+        run_id = self._run_id(run)
+
+        def resume(db):
+            row = self._run_row(db, run_id)
+            machine.check("run", row["state"], "pending", f"run {run_id}")
+            again = []
+            for s in db["stages"].rows_where("run_id = ? and state in ('failed','cancelled')", [run_id]):
                 self._move_stage(run_id, s["name"], "pending", "run resumed", restarts=0)
                 again.append(s["name"])
             self._move_run(run_id, "pending", "resumed by the user")
-        return {"run_id": run_id, "stages": again}
+            return again
+
+        return {"run_id": run_id, "stages": await self._request(resume, f"resuming run {run_id}")}
 
     async def op_shutdown(self, grace: float | None = None) -> dict:
         asyncio.get_running_loop().call_soon(lambda: self._spawn_task(self.shutdown(grace)))
@@ -284,10 +445,11 @@ class Core:
     def _held_devices(self) -> dict[int, int]:
         return {d: g.run_id for g in self.groups.values() for d in g.devices}
 
-    def _devices_for(self, cfg: dict, stage: str, world_size: int) -> list[int] | None:
+    def _devices_for(self, cfg: dict, stage: str, world_size: int,
+                     held: dict[int, int] | None = None) -> list[int] | None:
         """The GPUs a stage needs, or None when they are busy. [] means CPU only."""
         wanted = cfg.get("resources", {}).get("devices", "auto")
-        held = self._held_devices()
+        held = self._held_devices() if held is None else held
         if wanted == "cpu" or not specs.STAGES[stage].gpus:
             return []
         if isinstance(wanted, list):
@@ -305,32 +467,57 @@ class Core:
         free = [d for d in range(count) if d not in held]
         return free[:need] if len(free) >= need else None
 
-    def _finish_run(self, run_id: int, state: str, reason: str) -> None:
-        row = self.db["runs"].get(run_id)
+    def _finish_run(self, db, run_id: int, state: str, reason: str, now: float | None = None) -> None:
+        row = db["runs"].get(run_id)
         if row["state"] == state:
             return
         if row["state"] == "pending" and state in ("succeeded",):
-            self._move_run(run_id, "running", "started")
-        self._move_run(run_id, state, reason)
+            self._move_run(run_id, "running", "started", now=now)
+        self._move_run(run_id, state, reason, now=now)
         self.waiting.pop(run_id, None)
 
     def schedule(self) -> None:
         """Start what can start: the next stage of each run, queued behind device holders.
-        Nothing starts while the state directory is full, and a running stage without a live
-        group starts again only when the store holds its restart's due time (intent.py)."""
-        if self.stopping or self.disk.full:
+        Nothing starts while the state directory is full or the store is held by another
+        process, and a running stage without a live group starts again only when the store
+        holds its restart's due time (intent.py)."""
+        if self.stopping or self.disk.full or self.store.busy is not None or self._planning:
             return
-        now = time.time()
-        for run in self.db["runs"].rows_where("state in ('pending','running')", order_by="created_at, id"):
+        self._planning = True
+        self._spawn_task(self._schedule())
+
+    async def _schedule(self) -> None:
+        try:
+            async with self._decide:
+                # What is live now; only this pass adds groups, so the snapshot errs on the
+                # side of waiting if a group ends while the plan is being recorded.
+                live = {g.run_id for g in self.groups.values()}
+                held = self._held_devices()
+                starts = await self.write(lambda db: self._plan(db, live, held, time.time()), "scheduling")
+                for start in starts:
+                    self._spawn_attempt(start)
+        except Exception as exc:  # noqa: BLE001 - the next pass tries again
+            if diskfull.is_full(exc):
+                self.disk.mark("scheduling", exc)
+            else:
+                log.exception("scheduling pass failed")
+        finally:
+            self._planning = False
+
+    def _plan(self, db, live: set[int], held: dict[int, int], now: float) -> list[_Start]:
+        """On the store thread: finish what has ended and record the start of what can start,
+        each start before its ranks exist (a restarted daemon finds the attempt, or nothing)."""
+        starts = []
+        for run in db["runs"].rows_where("state in ('pending','running')", order_by="created_at, id"):
             run_id = run["id"]
-            if self._group_of(run_id) is not None:
+            if run_id in live:
                 continue
             cfg = json.loads(run["config_json"] or "{}")
-            for s in self.db["stages"].rows_where("run_id = ?", [run_id], order_by="position"):
+            for s in db["stages"].rows_where("run_id = ?", [run_id], order_by="position"):
                 if s["state"] in ("succeeded", "skipped"):
                     continue
                 if s["state"] in ("failed", "cancelled"):
-                    self._finish_run(run_id, s["state"], f"stage {s['name']} {s['state']}")
+                    self._finish_run(db, run_id, s["state"], f"stage {s['name']} {s['state']}")
                     break
                 due = s["restart_at"]
                 if s["state"] == "running" and due is None:
@@ -339,23 +526,27 @@ class Core:
                     break
                 if due is not None and due > now:
                     break
-                self._start_stage(run, cfg, s)
+                start = self._record_start(db, run, cfg, s, held)
+                if start is not None:
+                    starts.append(start)
+                    held.update({d: run_id for d in start.devices})
                 break
             else:
-                self._finish_run(run_id, "succeeded", "every stage succeeded or was skipped")
+                self._finish_run(db, run_id, "succeeded", "every stage succeeded or was skipped")
+        return starts
 
-    def _start_stage(self, run: dict, cfg: dict, s: dict) -> None:
+    def _record_start(self, db, run: dict, cfg: dict, s: dict, held: dict[int, int]) -> _Start | None:
         run_id, stage = run["id"], s["name"]
         world_size = s["world_size"] or 1
-        devices = self._devices_for(cfg, stage, world_size)
+        devices = self._devices_for(cfg, stage, world_size, held)
         if devices is None:
-            holders = sorted({str(r) for r in self._held_devices().values()})
+            holders = sorted({str(r) for r in held.values()})
             why = f"waiting for devices held by run {', '.join(holders)}"
             if self.waiting.get(run_id) != why:
                 self.waiting[run_id] = why
-                self.db["runs"].update(run_id, {"reason": why})
+                db["runs"].update(run_id, {"reason": why})
                 self._emit_state(run_id, "run", run["state"], why)
-            return
+            return None
         self.waiting.pop(run_id, None)
         number = (s["attempts"] or 0) + 1
         # Everything under the run's recorded folder, never one rebuilt from its id; a new
@@ -364,43 +555,54 @@ class Core:
         attempt_dir = paths.unused(run_dir / stage / f"attempt-{number}")
         output_dir = Path(run["output_dir"] or run_dir / "out")
         output_dir.mkdir(parents=True, exist_ok=True)
-        port_hint = None
-        # The run's, the stage's and the attempt's start in one transaction, before any spawn:
-        # a restarted daemon finds the attempt (and re-adopts or settles it), or nothing at all.
-        with self.transaction():
-            if run["state"] == "pending":
-                self._move_run(run_id, "running", f"starting {stage}")
-            if s["state"] == "pending":
-                self._move_stage(run_id, stage, "running", "started")
-            attempt_id, number = store.new_attempt(self.db, run_id, stage, dir=str(attempt_dir),
-                                                   world_size=world_size, devices=devices, master_port=port_hint)
+        # The run's, the stage's and the attempt's start in one transaction, before any spawn.
+        if run["state"] == "pending":
+            self._move_run(run_id, "running", f"starting {stage}")
+        if s["state"] == "pending":
+            self._move_stage(run_id, stage, "running", "started")
+        attempt_id, number = store.new_attempt(db, run_id, stage, dir=str(attempt_dir),
+                                               world_size=world_size, devices=devices)
+        return _Start(run_id, stage, cfg, attempt_id, number, attempt_dir, world_size, devices, output_dir, run_dir)
+
+    def _spawn_attempt(self, st: _Start) -> None:
+        """Start the ranks of an attempt whose start is recorded, and record them."""
+        run_id, stage, attempt_id, number = st.run_id, st.stage, st.attempt_id, st.number
         try:
             group = Group.spawn(run_id=run_id, stage=stage, attempt_id=attempt_id, attempt=number,
-                                dir=attempt_dir, world_size=world_size, devices=devices,
-                                output_dir=output_dir,
-                                config_path=run_dir / "config.json")
+                                dir=st.attempt_dir, world_size=st.world_size, devices=st.devices,
+                                output_dir=st.output_dir,
+                                config_path=st.run_dir / "config.json",
+                                # Each rank's monitor bounds its log by this (state/logcut.py).
+                                extra_env={"EYAS_LOG_MAX_MB": f"{_log_max_mb(st.cfg, stage):g}"})
         except OSError as exc:
             # The daemon could not even start the processes: that is the root cause.
-            with self.transaction():
-                store.record_error(self.db, attempt_id, rank=None, type=type(exc).__name__, message=str(exc),
-                                   traceback="", time_=time.time(), root_cause=True, source="spawn")
-                store.move_attempt(self.db, attempt_id, "failed", f"could not start ranks: {exc}")
-                self._move_stage(run_id, stage, "failed", f"could not start ranks: {exc}")
+            now = time.time()
+
+            def failed(db):
+                store.record_error(db, attempt_id, rank=None, type=type(exc).__name__, message=str(exc),
+                                   traceback="", time_=now, root_cause=True, source="spawn")
+                store.move_attempt(db, attempt_id, "failed", f"could not start ranks: {exc}", now=now)
+                self._move_stage(run_id, stage, "failed", f"could not start ranks: {exc}", now=now)
+
+            self.write_later(failed, f"recording that run {run_id} {stage} attempt {number} could not start")
             return
         # Supervised from here on, whether or not its rows can be written (a full disk): a
         # restarted daemon finds the ranks by their proc files or environment (intent.py).
-        _set_bounds(group, cfg)
+        _set_bounds(group, st.cfg)
         self.groups[attempt_id] = group
-        with self._noting_full(f"recording the ranks of run {run_id} {stage} attempt {number}"):
-            with self.transaction():
-                self.db["attempts"].update(attempt_id, {"master_port": group.master_port})
-                for r in group.ranks:
-                    store.upsert_rank(self.db, attempt_id, r.rank, monitor_pid=r.monitor_pid,
-                                      monitor_create_time=r.monitor_create_time, host=self.host, device=r.device,
-                                      state="running", started_at=time.time(), log_path=str(r.log_path))
+        now = time.time()
+        ranks = [(r.rank, r.monitor_pid, r.monitor_create_time, r.device, str(r.log_path)) for r in group.ranks]
+
+        def record(db):
+            db["attempts"].update(attempt_id, {"master_port": group.master_port})
+            for rank, mpid, mct, device, log_path in ranks:
+                store.upsert_rank(db, attempt_id, rank, monitor_pid=mpid, monitor_create_time=mct, host=self.host,
+                                  device=device, state="running", started_at=now, log_path=log_path)
+
+        self.write_later(record, f"recording the ranks of run {run_id} {stage} attempt {number}")
         self._emit_state(run_id, "attempt", "running", f"attempt {number} started", stage=stage, attempt=number)
         log.info("run %s: %s attempt %s started with %s ranks (devices %s)", run_id, stage, number,
-                 world_size, devices or "cpu")
+                 st.world_size, st.devices or "cpu")
 
     # -- supervision ---------------------------------------------------------------------
 
@@ -410,24 +612,27 @@ class Core:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    @contextlib.contextmanager
-    def _noting_full(self, what: str):
-        """Run a write that may be lost without harm (the settlement writes the same again):
-        a full disk is noted on the condition and supervision goes on; other errors propagate."""
-        try:
-            yield
-        except Exception as exc:
-            if not diskfull.is_full(exc):
-                raise
-            self.disk.mark(what, exc)
+    def _record_stop(self, group: Group, reason: str) -> asyncio.Future:
+        """Queued before any signal (intent.py): a daemon killed during the teardown is
+        followed by one that settles the attempt as cancelled. On a full disk or a held lock
+        the stop still happens (the disk may be full because of this very run); its
+        settlement, written after this, carries the reason."""
+        now = time.time()
+        return self.write_later(lambda db: store.record_cancel(db, group.attempt_id, reason, now=now),
+                                f"recording the stop of run {group.run_id} {group.stage} in eyas.db")
 
-    def _cancel_group(self, group: Group, reason: str) -> None:
-        if group.teardown_since is None:
+    async def _cancel_group(self, group: Group, reason: str) -> None:
+        """End a live group on purpose: record why (waiting a moment for it), then signal."""
+        if group.teardown_since is None and group.cancel_reason is None:
             group.cancel_reason = reason
-            self._spawn_task(group.teardown(self.grace, reason))
+            recorded = self._record_stop(group, reason)
+            await asyncio.wait({recorded}, timeout=INTENT_WAIT)
+            if group.teardown_since is None:
+                self._spawn_task(group.teardown(self.grace, reason))
 
     def supervise(self) -> None:
-        """Check every group: record exits, tear down on the first failure, settle the end."""
+        """Check every group: record exits, tear down on the first failure, settle the end.
+        Nothing here waits for the store: the writes are queued, the teardown starts at once."""
         for attempt_id, group in list(self.groups.items()):
             learnt, exits = group.poll()
             for r in learnt:
@@ -435,15 +640,17 @@ class Core:
                     group.watch(r)
                     self._record_worker(group, r)
                 else:
-                    with self._noting_full(f"recording rank {r.rank}'s pid in eyas.db"):
-                        store.upsert_rank(self.db, attempt_id, r.rank, pid=r.pid, create_time=r.create_time)
+                    pid, create_time = r.pid, r.create_time
+                    self.write_later(lambda db, a=attempt_id, r=r.rank, p=pid, c=create_time:
+                                     store.upsert_rank(db, a, r, pid=p, create_time=c),
+                                     f"recording rank {r.rank}'s pid in eyas.db")
             for ex in exits:
-                # The teardown below must start even when the exit cannot be written yet.
-                with self._noting_full(f"recording rank {ex.rank}'s exit in eyas.db"):
-                    self._record_exit(group, ex)
+                self._record_exit(group, ex)
             if group.teardown_since is None and any(group.counts_as_failure(e) for e in exits):
                 first = group.failures()[0]
                 self._spawn_task(group.teardown(self.grace, f"{_who(first)} failed"))
+            if group.settling:
+                continue
             if not group.alive and not group.tearing and not (group.collecting and group.cancel_reason is None):
                 if group.workers and not group.leftovers_ended:
                     # The driver ended: its engine's processes end with it, whatever they do.
@@ -459,45 +666,63 @@ class Core:
             why = watchdog.summary(group)
             log.warning("run %s: %s attempt %d %s", group.run_id, group.stage, group.attempt, why)
             self._emit_state(group.run_id, "stage", "running", why, stage=group.stage, attempt=group.attempt)
-            self.record_stuck(group)         # durable before any signal (intent.py)
+            self.record_stuck(group)         # queued before any signal (intent.py)
             self._spawn_task(watchdog.end(group, self.grace, self.record_stuck))
 
     def record_stuck(self, group: Group) -> None:
         """Write the watchdog's finding (and, once collected, the stacks) on its attempt."""
-        with self._noting_full(f"recording run {group.run_id} {group.stage}'s {group.stuck['kind']} in eyas.db"):
-            store.record_stuck(self.db, group.attempt_id, group.stuck)
+        stuck = dict(group.stuck)       # as it is now: the loop goes on filling it in
+        self.write_later(lambda db: store.record_stuck(db, group.attempt_id, stuck),
+                         f"recording run {group.run_id} {group.stage}'s {stuck['kind']} in eyas.db")
 
     def _record_worker(self, group: Group, w: Rank) -> None:
         """A TP worker registered: a rank of the attempt from now on; its driver is one too."""
-        store.upsert_rank(self.db, group.attempt_id, w.rank, pid=w.pid, create_time=w.create_time, host=self.host,
-                          device=w.device, state="running", started_at=w.started_at or time.time(),
-                          log_path=str(w.log_path), role="tp-worker", tp_rank=w.tp_rank,
-                          # The vllm backend runs one driver rank (the stage refuses more).
-                          parent_rank=0)
-        for r in group.ranks:
-            if r.role == "driver":
-                store.upsert_rank(self.db, group.attempt_id, r.rank, role="driver")
-        self._emit_state(group.run_id, "rank", "running", f"TP rank {w.tp_rank} (pid {w.pid}) registered",
-                         stage=group.stage, attempt=group.attempt)
+        drivers = [r.rank for r in group.ranks if r.role == "driver"]
+        started = w.started_at or time.time()
+
+        def record(db):
+            store.upsert_rank(db, group.attempt_id, w.rank, pid=w.pid, create_time=w.create_time, host=self.host,
+                              device=w.device, state="running", started_at=started,
+                              log_path=str(w.log_path), role="tp-worker", tp_rank=w.tp_rank,
+                              # The vllm backend runs one driver rank (the stage refuses more).
+                              parent_rank=0)
+            for rank in drivers:
+                store.upsert_rank(db, group.attempt_id, rank, role="driver")
+            self._emit_state(group.run_id, "rank", "running", f"TP rank {w.tp_rank} (pid {w.pid}) registered",
+                             stage=group.stage, attempt=group.attempt)
+
+        self.write_later(record, f"recording TP rank {w.tp_rank} of run {group.run_id} in eyas.db")
 
     def _record_exit(self, group: Group, ex: RankExit) -> None:
+        """Queue a rank's exit; the settlement writes it again with the group's end."""
+        fields = self._exit_fields(group, ex)
+        self.write_later(lambda db: self._write_exit(db, group, ex, fields),
+                         f"recording rank {ex.rank}'s exit in eyas.db")
+
+    @staticmethod
+    def _exit_fields(group: Group, ex: RankExit) -> dict:
         state = "failed" if group.counts_as_failure(ex) else ("exited" if not ex.failed else "killed")
-        store.upsert_rank(self.db, group.attempt_id, ex.rank, state=state, exit_code=ex.exit_code,
-                          signal=ex.signal, oom_killed=int(ex.oom_killed), ended_at=ex.time,
-                          **({"pid": ex.pid} if ex.pid else {}))
-        self._emit_state(group.run_id, "rank", state, _exit_text(ex), stage=group.stage, attempt=group.attempt)
+        return {"state": state, "exit_code": ex.exit_code, "signal": ex.signal, "oom_killed": int(ex.oom_killed),
+                "ended_at": ex.time, **({"pid": ex.pid} if ex.pid else {})}
+
+    def _write_exit(self, db, group: Group, ex: RankExit, fields: dict) -> None:
+        store.upsert_rank(db, group.attempt_id, ex.rank, **fields)
+        self._emit_state(group.run_id, "rank", fields["state"], _exit_text(ex), stage=group.stage,
+                         attempt=group.attempt)
 
     def _settle_group(self, group: Group) -> None:
         """Record the group's end (daemon/settle.py); it leaves memory only once that is written."""
-        if not settle.settle(self, group, time.time()):
-            return
-        del self.groups[group.attempt_id]
+        settle.settle(self, group, time.time())
+
+    def _settled(self, group: Group) -> None:
+        """The group's end is recorded: it leaves memory."""
+        self.groups.pop(group.attempt_id, None)
         self.sampler.forget(group.attempt_id)
         self.stage_live.pop((group.run_id, group.stage), None)
         self.poke()
 
-    def _backoff(self, run_id: int, stage: str) -> float:
-        cfg = json.loads(self.db["runs"].get(run_id)["config_json"] or "{}")
+    def _backoff(self, db, run_id: int, stage: str) -> float:
+        cfg = json.loads(db["runs"].get(run_id)["config_json"] or "{}")
         return _stage_value(cfg, stage, "backoff", 2.0)
 
     # -- metrics -------------------------------------------------------------------------
@@ -523,28 +748,10 @@ class Core:
             group = self.groups.get(attempt_id)
             if group is not None:
                 group.seen.update(pids)
-        store.insert_metrics(self.db, result.metrics)
         attempt_of = {(g.run_id, g.stage): g.attempt_id for g in groups}
-        with self.db.atomic():
-            for (attempt_id, rank), fields in result.ranks.items():
-                self.db.execute(
-                    "UPDATE ranks SET " + ", ".join(f"{k} = ?" for k in fields) + " WHERE attempt_id = ? AND rank = ?",
-                    [*fields.values(), attempt_id, rank])
-            for (run_id, stage), fields in result.stages.items():
-                self.stage_live[(run_id, stage)] = fields
-                # History keeps the steady figure: the sum of the ranks' mean rates over the
-                # attempt, not the instantaneous rate that the live views show.
-                tok_s, peak = self.db.execute(
-                    "SELECT sum(tok_s), max(peak_gpu_mem) FROM ranks WHERE attempt_id = ?",
-                    [attempt_of[(run_id, stage)]]).fetchone()
-                if tok_s is not None:
-                    self.db.execute("UPDATE stages SET tok_s = ? WHERE run_id = ? AND name = ?", [tok_s, run_id, stage])
-                    self.db.execute("UPDATE runs SET tok_s = ? WHERE id = ?", [tok_s, run_id])
-                if peak is not None:
-                    self.db.execute("UPDATE stages SET peak_gpu_mem = max(coalesce(peak_gpu_mem, 0), ?) "
-                                    "WHERE run_id = ? AND name = ?", [peak, run_id, stage])
-                    self.db.execute("UPDATE runs SET peak_gpu_mem = max(coalesce(peak_gpu_mem, 0), ?) WHERE id = ?",
-                                    [peak, run_id])
+        self.stage_live.update(result.stages)
+        self._queue_metrics(result.metrics, result.ranks,
+                            {attempt_of[key]: key for key in result.stages})
         by_group: dict[tuple, list] = {}
         for row in result.metrics:
             if row["run_id"] is not None:
@@ -553,21 +760,78 @@ class Core:
             self.publish("metric", {"run_id": run_id, "stage": stage, "attempt": attempt, "samples": rows,
                                     "live": self.stage_live.get((run_id, stage))})
 
+    def _queue_metrics(self, rows: list[dict], ranks: dict, stages: dict) -> None:
+        """Hand a sample to the store thread. Samples taken while a write waits (a held lock)
+        join the one queued write, so a long lock costs one transaction, not one per second."""
+        with self._metrics_lock:
+            buf = self._metrics_buf
+            if buf is None:
+                buf = self._metrics_buf = {"rows": [], "ranks": {}, "stages": {}}
+                queue = True
+            else:
+                queue = False
+            buf["rows"].extend(rows)
+            for key, fields in ranks.items():
+                buf["ranks"].setdefault(key, {}).update(fields)
+            buf["stages"].update(stages)
+        if queue:
+            taken: list[dict] = []
+
+            def write(db):
+                if not taken:           # once: a try that met the lock keeps what it took
+                    with self._metrics_lock:
+                        taken.append(self._metrics_buf)
+                        self._metrics_buf = None
+                self._write_metrics(db, taken[0])
+
+            self.write_later(write, "writing metrics to eyas.db")
+
+    @staticmethod
+    def _write_metrics(db, buf: dict) -> None:
+        store.insert_metrics(db, buf["rows"])
+        for (attempt_id, rank), fields in buf["ranks"].items():
+            db.execute("UPDATE ranks SET " + ", ".join(f"{k} = ?" for k in fields) + " WHERE attempt_id = ? AND rank = ?",
+                       [*fields.values(), attempt_id, rank])
+        for attempt_id, (run_id, stage) in buf["stages"].items():
+            # History keeps the steady figure: the sum of the ranks' mean rates over the
+            # attempt, not the instantaneous rate that the live views show.
+            tok_s, peak = db.execute("SELECT sum(tok_s), max(peak_gpu_mem) FROM ranks WHERE attempt_id = ?",
+                                     [attempt_id]).fetchone()
+            if tok_s is not None:
+                db.execute("UPDATE stages SET tok_s = ? WHERE run_id = ? AND name = ?", [tok_s, run_id, stage])
+                db.execute("UPDATE runs SET tok_s = ? WHERE id = ?", [tok_s, run_id])
+            if peak is not None:
+                db.execute("UPDATE stages SET peak_gpu_mem = max(coalesce(peak_gpu_mem, 0), ?) "
+                           "WHERE run_id = ? AND name = ?", [peak, run_id, stage])
+                db.execute("UPDATE runs SET peak_gpu_mem = max(coalesce(peak_gpu_mem, 0), ?) WHERE id = ?",
+                           [peak, run_id])
+
     # -- start-up and the loop -------------------------------------------------------------
 
-    def recover(self) -> None:
+    @staticmethod
+    def _running_attempts(db) -> list[tuple[dict, dict, float | None, dict]]:
+        """Each running attempt with its ranks' rows, its last stored metric time and its run's config."""
+        found = []
+        for a in db["attempts"].rows_where("state = 'running'"):
+            rows = {r["rank"]: r for r in db["ranks"].rows_where("attempt_id = ?", [a["id"]])}
+            since = db.execute("SELECT max(time) FROM metrics WHERE run_id = ? AND stage = ? AND attempt = ?",
+                               [a["run_id"], a["stage"], a["number"]]).fetchone()[0]
+            cfg = json.loads(db["runs"].get(a["run_id"])["config_json"] or "{}")
+            found.append((a, rows, since, cfg))
+        return found
+
+    async def recover(self) -> None:
         """Re-adopt the ranks of attempts that were running when the last daemon died.
 
         A rank is adopted only if its monitor's pid *and* start time match, so a recycled
         pid is never mistaken for it; ranks that ended meanwhile are settled from their
         exit records and error files on the first supervision pass.
         """
-        for a in self.db["attempts"].rows_where("state = 'running'"):
+        for a, rows, since, cfg in await self.write(self._running_attempts, "reading the attempts to re-adopt"):
             attempt_dir = Path(a["dir"])
             group = Group(a["run_id"], a["stage"], a["id"], a["number"], attempt_dir, a["world_size"],
                           json.loads(a["devices"] or "[]"), a["master_port"] or 0,
                           started_at=a["started_at"] or time.time())
-            rows = {r["rank"]: r for r in self.db["ranks"].rows_where("attempt_id = ?", [a["id"]])}
             for r in range(a["world_size"]):
                 row = rows.get(r) or {}
                 proc = _read_json(attempt_dir / f"rank-{r}.proc.json") or {}
@@ -586,20 +850,18 @@ class Core:
             self._recover_workers(group, rows.values())
             # Progress lines already stored by the previous daemon feed the rates but are
             # not inserted twice.
-            group.metrics_since = self.db.execute(
-                "SELECT max(time) FROM metrics WHERE run_id = ? AND stage = ? AND attempt = ?",
-                [a["run_id"], a["stage"], a["number"]]).fetchone()[0]
-            cfg = json.loads(self.db["runs"].get(a["run_id"])["config_json"] or "{}")
+            group.metrics_since = since
             _set_bounds(group, cfg)
             self.groups[a["id"]] = group
             intent.resume(self, group, a)
             log.info("re-adopted run %s %s attempt %s (%s ranks)", a["run_id"], a["stage"], a["number"], a["world_size"])
 
-    def check_run_folders(self) -> None:
+    async def check_run_folders(self) -> None:
         """Warn, once at start, about run folders that no run of the database records: the
         database was deleted or an older backup restored since they were written. They are
         another history's logs and outputs: left alone, and new runs get ids above them."""
-        known = {paths.run_dir(row, self.home).resolve() for row in self.db.query("SELECT id, dir FROM runs")}
+        rows = await self.write(lambda db: list(db.query("SELECT id, dir FROM runs")), "reading the run folders")
+        known = {paths.run_dir(row, self.home).resolve() for row in rows}
         unknown = sorted(i for i, path in paths.folder_ids(self.home).items() if path.resolve() not in known)
         if unknown:
             log.warning("%s holds %d run folder%s that the database does not know (ids %s): written before "
@@ -632,15 +894,28 @@ class Core:
         self.stopping = True
         grace = self.grace if grace is None else grace
         for g in list(self.groups.values()):
-            if g.teardown_since is None:
-                # Durable first (intent.py): killed during the teardown, the daemon still
-                # settles these attempts as cancelled when it starts again.
-                with self._noting_full(f"recording the stop of run {g.run_id} {g.stage}"):
-                    store.record_cancel(self.db, g.attempt_id, "the daemon was stopped")
+            if g.teardown_since is None and g.cancel_reason is None:
+                self._record_stop(g, "the daemon was stopped")
             g.cancel_reason = g.cancel_reason or "the daemon was stopped"
         await asyncio.gather(*(g.teardown(grace, "the daemon was stopped") for g in list(self.groups.values())))
-        self.supervise()
+        # Settle what ended; a store held locked by another process gets SHUTDOWN_WAIT_S,
+        # then the groups are left to the next daemon, which settles them from their files.
+        until = time.time() + SHUTDOWN_WAIT_S
+        while True:
+            self.supervise()
+            if not self.groups or time.time() > until:
+                break
+            await asyncio.sleep(0.05)
+        if self.groups:
+            log.warning("stopping with %d group%s not recorded as ended (%s); the next daemon settles them",
+                        len(self.groups), "" if len(self.groups) == 1 else "s",
+                        self.store.status() or "the store did not answer")
         self._shutdown_done.set()
+
+    def prune(self) -> None:
+        now = time.time()
+        self.write_later(lambda db: store.prune_metrics(db, max_age_s=METRICS_MAX_AGE, max_rows=METRICS_MAX_ROWS,
+                                                        now=now), "pruning metrics")
 
     def _step(self, what: str, fn, *args, **kwargs) -> None:
         """One step of the supervision loop. The daemon survives its own bugs (logged) and a
@@ -656,9 +931,9 @@ class Core:
     async def run(self) -> None:
         """The supervision loop: 20 Hz rank checks, scheduling on change, 1 Hz sampling."""
         self._shutdown_done = asyncio.Event()
-        self.recover()
+        await self.recover()
         try:
-            self.check_run_folders()
+            await self.check_run_folders()
         except OSError:
             log.exception("could not look through %s for run folders", paths.runs_dir(self.home))
         while not self._shutdown_done.is_set():
@@ -677,8 +952,7 @@ class Core:
                 self._step("hang watch", self.watch_hangs, now)
             if now - self._last_prune >= PRUNE_PERIOD and not self.disk.full:
                 self._last_prune = now
-                self._step("pruning metrics", store.prune_metrics, self.db, max_age_s=METRICS_MAX_AGE,
-                           max_rows=METRICS_MAX_ROWS)
+                self._step("pruning metrics", self.prune)
             try:
                 await asyncio.wait_for(self._dirty.wait(), timeout=0.05)
             except asyncio.TimeoutError:
@@ -689,6 +963,11 @@ def _stage_value(cfg: dict, stage: str, key: str, default: float) -> float:
     """A [stages.<stage>] setting from a run's config JSON; `default` where the table or key is absent."""
     value = ((cfg.get("stages") or {}).get(stage) or {}).get(key)
     return float(default if value is None else value)
+
+
+def _log_max_mb(cfg: dict, stage: str) -> float:
+    """stages.<stage>.log_max_mb of a run; the declared default for a config written without it."""
+    return _stage_value(cfg, stage, "log_max_mb", run_config.LOG_MAX_MB)
 
 
 def _set_bounds(group: Group, cfg: dict) -> None:

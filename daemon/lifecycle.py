@@ -32,9 +32,7 @@ def _ping(timeout: float = 2.0, op: str = "ping") -> dict | None:
 
 def _another_holds_the_lock(home, mine: int) -> bool:
     """Our daemon process ended: was it refused because another one, still starting, holds the lock?"""
-    from . import main as daemon_main  # the daemon's modules, only on this path
-
-    holder = daemon_main.lock_holder(home)
+    holder = paths.lock_holder(home)
     return holder is not None and holder != mine and procs.alive(holder, None)
 
 
@@ -131,6 +129,12 @@ def status(args) -> int:
         # Said first: while it lasts no attempt starts and ends are recorded only once space returns.
         print(f"  state directory full: {info['full']['what']} (since {_duration(time.time() - info['full']['since'])}"
               " ago; no attempt starts, records wait for space)")
+    if info.get("store_busy"):
+        busy = info["store_busy"]
+        # The daemon goes on supervising; what it records waits in order for the lock.
+        print(f"  store busy: another process holds {info['database']} locked (for "
+              f"{_duration(time.time() - busy['since'])}; {busy['pending'] + 1} writes waiting, first "
+              f"{busy['what']}; no attempt starts until it is released)")
     if not info["active"]:
         print("  no active runs")
     for a in info["active"]:

@@ -52,20 +52,12 @@ def acquire_lock(home: Path) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = lock_holder(home) or "?"
+        holder = paths.lock_holder(home) or "?"
         os.close(fd)
         raise AlreadyRunning(f"an eyas daemon (pid {holder}) already runs for {home}") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
-
-
-def lock_holder(home: Path) -> int | None:
-    """The pid the lock file names: the daemon holding the lock, or the last one that did."""
-    try:
-        return int(paths.lock_path(home).read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def setup_logging(home: Path, to_stderr: bool) -> Path:
@@ -155,7 +147,12 @@ async def serve(home: Path, grace: float) -> None:
         paths.record_path(home).unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # our private dir, when nothing else is left in it
             server.path.parent.rmdir()
-        db.conn.close()
+        # What is queued is written first; a store still locked by another process after
+        # that long loses only what the next daemon rebuilds from the attempts' files.
+        if core.store.close(timeout=10.0):
+            db.conn.close()
+        else:
+            log.warning("the store thread was still waiting for eyas.db after 10 s: %s", core.store.status())
         log.info("eyas daemon %s stopped", os.getpid())
 
 

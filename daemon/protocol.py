@@ -50,6 +50,7 @@ ILLEGAL = "illegal_transition"
 INVALID_CONFIG = "invalid_config"
 INTERNAL = "internal"
 STATE_FULL = "state_full"      # the state directory is full: nothing was done, try again later
+STORE_BUSY = "store_busy"      # another process holds the database locked: nothing was done, try again
 
 
 class ProtocolError(ValueError):

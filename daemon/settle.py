@@ -2,11 +2,14 @@
 attempt's, stage's and run's new states and the restart the policy calls for go into one
 transaction, and the group leaves the daemon's memory only once that transaction committed.
 
-Settling has two halves. `describe` runs once per group: it reads what the ranks left (error
-files, log tails, the TP workers' last word) into error records, root cause first. `record`
-decides and writes; it may run many times, because a write can fail (a full disk: the daemon
-keeps the group and retries, daemon/diskfull.py), and each time it decides afresh from the
-store, so that a stop recorded meanwhile (daemon/intent.py) still counts.
+Settling has two halves. `describe` runs once per group, on the event loop: it reads what
+the ranks left (error files, log tails, the TP workers' last word) into error records, root
+cause first, and notes when the group really ended. `record` decides and writes, as one job
+on the store thread (daemon/storewriter.py); it may run many times, because a write can fail
+(a full disk: the daemon keeps the group and retries, daemon/diskfull.py) or wait (another
+process holds the database locked), and each time it decides afresh from the store, so that
+a stop recorded meanwhile (daemon/intent.py) still counts. Its times are the group's own,
+never the moment the write finally got through.
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from eyas.state import store
+from eyas.state import procs, store
 
 from . import diskfull, watchdog
 from .supervisor import Group, RankExit, _read_json, describe_failure, log_tail
@@ -35,6 +38,8 @@ class Account:
     records: list[tuple[RankExit | None, dict]]     # (whose, error record); None: the watchdog's
     exits: list[RankExit]           # every member's exit, recorded again with the settlement
     summary_json: str | None
+    ended_at: float                 # when the last member was seen to end
+    exit_fields: list = field(default_factory=list)     # (exit, its ranks row), as the settlement writes them
 
 
 def describe(core, group: Group) -> Account:
@@ -53,9 +58,9 @@ def describe(core, group: Group) -> Account:
     # The stage's summary is its last finished attempt's, a failed one's included (evaluate
     # records its figures, then fails on a lossless mismatch: the figures stay beside the error).
     summary = _read_json(group.dir / "summary.json")
-    exits = [r.exit for r in group.ranks if r.exit is not None]
-    return Account(records, exits + workers,
-                   json.dumps(summary) if summary is not None else None)
+    exits = [r.exit for r in group.ranks if r.exit is not None] + workers
+    ended_at = max((ex.time for ex in exits if ex.time), default=time.time())
+    return Account(records, exits, json.dumps(summary) if summary is not None else None, ended_at)
 
 
 def _as_recorded(core, group: Group, ex: RankExit | None, rec: dict) -> dict:
@@ -77,20 +82,21 @@ def _as_recorded(core, group: Group, ex: RankExit | None, rec: dict) -> dict:
 
 def _was_full(core, group: Group) -> bool:
     disk = core.disk
-    return (disk.full or (disk.seen_at is not None and disk.seen_at >= group.started_at - 1.0)
+    return (disk.full or (disk.seen_at is not None and disk.seen_at >= group.started_at - procs.CREATE_TIME_SLACK_S)
             or disk.low(group.dir))
 
 
-def record(core, group: Group, account: Account) -> None:
-    """Write the settlement in one transaction: the exits, the errors, the attempt's end, and
-    the stage's and run's (or the restart the policy calls for, with its due time)."""
-    db, run_id, stage = core.db, group.run_id, group.stage
-    records = [_as_recorded(core, group, ex, rec) for ex, rec in account.records]
+def record(core, db, group: Group, account: Account, records: list[dict]) -> None:
+    """On the store thread, in the job's one transaction: the exits, the errors, the attempt's
+    end, and the stage's and run's (or the restart the policy calls for, with its due time)."""
+    run_id, stage, end = group.run_id, group.stage, account.ended_at
     with core.transaction():
-        for ex in account.exits:
-            core._record_exit(group, ex)
+        for ex, fields in account.exit_fields:
+            core._write_exit(db, group, ex, fields)
         for i, rec in enumerate(records):
             store.record_error(db, group.attempt_id, root_cause=(i == 0), **rec)
+        # A hang finding's stacks now live in its error's traceback; only recovery read them here.
+        db.execute("UPDATE attempts SET stuck_json = NULL WHERE id = ?", [group.attempt_id])
         srow = store.stage_row(db, run_id, stage)
         # The user's stop, in memory or recorded by a daemon that died since (intent.py).
         cancel = group.cancel_reason or db["attempts"].get(group.attempt_id).get("cancel_reason")
@@ -98,49 +104,63 @@ def record(core, group: Group, account: Account) -> None:
             rec = records[0]
             lead = "" if account.records[0][0] is None else f"{who(account.records[0][0])} failed: "
             why = f"{lead}{rec['type']}" + (f": {rec['message']}" if rec["message"] else "")
-            store.move_attempt(db, group.attempt_id, "failed", why)
+            store.move_attempt(db, group.attempt_id, "failed", why, now=end)
             if cancel is None and srow["restarts"] < (srow["max_restarts"] or 0) and not core.stopping:
                 n = srow["restarts"] + 1
-                backoff = core._backoff(run_id, stage) * (2 ** (n - 1))
-                store.schedule_restart(db, run_id, stage, n, time.time() + backoff)
+                backoff = core._backoff(db, run_id, stage) * (2 ** (n - 1))
+                # Due from the real end: a write that waited out a lock does not push it back.
+                store.schedule_restart(db, run_id, stage, n, end + backoff)
                 core._emit_state(run_id, "stage", "running",
                                  f"restart {n} of {srow['max_restarts']} in {backoff:.1f}s after {why}", stage=stage)
                 return
-            core._move_stage(run_id, stage, "failed", why, summary_json=account.summary_json)
-            core._finish_run(run_id, "failed", f"{stage}: {why}")
+            core._move_stage(run_id, stage, "failed", why, summary_json=account.summary_json, now=end)
+            core._finish_run(db, run_id, "failed", f"{stage}: {why}", now=end)
         elif cancel is not None:
-            store.move_attempt(db, group.attempt_id, "cancelled", cancel)
-            core._move_stage(run_id, stage, "cancelled", cancel)
-            core._finish_run(run_id, "cancelled", f"{stage}: {cancel}")
+            store.move_attempt(db, group.attempt_id, "cancelled", cancel, now=end)
+            core._move_stage(run_id, stage, "cancelled", cancel, now=end)
+            core._finish_run(db, run_id, "cancelled", f"{stage}: {cancel}", now=end)
         else:
-            store.move_attempt(db, group.attempt_id, "succeeded", "every rank exited 0")
-            core._move_stage(run_id, stage, "succeeded", "every rank exited 0", summary_json=account.summary_json)
+            store.move_attempt(db, group.attempt_id, "succeeded", "every rank exited 0", now=end)
+            core._move_stage(run_id, stage, "succeeded", "every rank exited 0", summary_json=account.summary_json,
+                             now=end)
 
 
-def settle(core, group: Group, now: float) -> bool:
-    """Settle a group that has ended: True once its record is written (it may leave memory),
-    False when the write failed and is to be tried again (the failure is noted on `core.disk`
-    when the disk is full, else logged)."""
-    if now < group.settle_retry_at:
-        return False
+def settle(core, group: Group, now: float) -> None:
+    """Start recording the end of a group that has ended, unless that is under way or a retry
+    is not due yet; `core._settled` lets the group go once the record is written."""
+    if group.settling or now < group.settle_retry_at:
+        return
     if group.account is None:
         try:
-            # One last sample, so that the progress lines written just before exiting count.
+            # One last sample, so that the progress lines written just before exiting count;
+            # queued before the settlement, so written before it.
             core.sample(now, [group], final=True)
-        except Exception as exc:  # noqa: BLE001 - the figures are not worth the settlement
-            if not diskfull.is_full(exc):
-                log.exception("final sample of run %s %s failed", group.run_id, group.stage)
+        except Exception:  # the figures are not worth the settlement
+            log.exception("final sample of run %s %s failed", group.run_id, group.stage)
         group.account = describe(core, group)
-    try:
-        record(core, group, group.account)
-    except Exception as exc:  # noqa: BLE001 - kept, and tried again: the group's end must be recorded
-        what = f"recording the end of run {group.run_id} {group.stage} attempt {group.attempt} in eyas.db"
-        if diskfull.is_full(exc):
-            core.disk.mark(what, exc, now)
-            group.settle_retry_at = core.disk.state.retry_at
-        else:
-            log.exception("%s failed; trying again", what)
-            group.settle_retries += 1
-            group.settle_retry_at = now + min(diskfull.MAX_DELAY, diskfull.FIRST_DELAY * 2 ** group.settle_retries)
-        return False
-    return True
+        group.account.exit_fields = [(ex, core._exit_fields(group, ex)) for ex in group.account.exits]
+    # Decided now, on the loop: whether the disk was full is a question about this moment.
+    records = [_as_recorded(core, group, ex, rec) for ex, rec in group.account.records]
+    what = f"recording the end of run {group.run_id} {group.stage} attempt {group.attempt} in eyas.db"
+    group.settling = True
+    # Queued now: after the final sample and any stop already queued, before anything later.
+    future = core.submit(lambda db: record(core, db, group, group.account, records), what)
+    future.add_done_callback(lambda f: _written(core, group, f, what))
+
+
+def _written(core, group: Group, future, what: str) -> None:
+    group.settling = False
+    if future.cancelled():
+        return
+    exc = future.exception()
+    if exc is None:
+        core._settled(group)
+        return
+    now = time.time()
+    if diskfull.is_full(exc):
+        core.disk.mark(what, exc, now)
+        group.settle_retry_at = core.disk.state.retry_at
+    else:
+        log.error("%s failed; trying again", what, exc_info=exc)
+        group.settle_retries += 1
+        group.settle_retry_at = now + min(diskfull.MAX_DELAY, diskfull.FIRST_DELAY * 2 ** group.settle_retries)

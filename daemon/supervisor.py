@@ -56,8 +56,6 @@ log = logging.getLogger("eyas.daemon.supervisor")
 
 # How much of a log's tail is read to find a native crash's stack.
 _TAIL_BYTES = 64 * 1024
-# How far a record's time may precede its attempt's start and still be the attempt's (clock steps).
-_CLOCK_SLACK = 1.0
 
 
 def free_port() -> int:
@@ -74,8 +72,6 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
-# One identity rule for the daemon, its sampler and the TUI (a second of slack for clock steps).
-_alive = procs.alive
 
 
 def create_time(pid: int) -> float | None:
@@ -85,16 +81,19 @@ def create_time(pid: int) -> float | None:
         return None
 
 
-def log_tail(path: Path, max_lines: int = 40) -> str:
-    """The end of a rank log; from the last native-crash header when there is one."""
+def tail_text(path: Path, size: int = _TAIL_BYTES) -> str:
+    """The last `size` bytes of a file as text; "" when it cannot be read."""
     try:
         with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - _TAIL_BYTES))
-            text = f.read().decode("utf-8", "replace")
+            f.seek(max(0, os.fstat(f.fileno()).st_size - size))
+            return f.read().decode("utf-8", "replace")
     except OSError:
         return ""
+
+
+def log_tail(path: Path, max_lines: int = 40) -> str:
+    """The end of a rank log; from the last native-crash header when there is one."""
+    text = tail_text(path)
     crash = text.rfind("Fatal Python error:")
     if crash >= 0:
         return "\n".join(text[crash:].splitlines()[:200])
@@ -193,20 +192,20 @@ class Group:
     pidfds: dict[int, int] = field(default_factory=dict)   # TP rank -> pidfd watched by the event loop
     # The hang watchdog (daemon/watchdog.py): seconds of quiet allowed (0: off), seconds a
     # rank may outlive its work or its peers (0: off), when the attempt directory last changed
-    # and how it looked; once stuck, the rule's record (with the stacks under "asked"), and
-    # whether the stacks are still being collected (the group is settled only after).
+    # and how it looked; once stuck, the rule's record (with the stacks under "asked" once
+    # they are collected: the group is settled only after).
     stall_timeout: float = 0.0
     exit_timeout: float = 0.0
     active_at: float = field(default_factory=time.time)
     activity: tuple = ()
     stuck: dict | None = None
-    collecting: bool = False
     ignored: set = field(default_factory=set)    # records refused by own_record, each logged once
     # The settlement (daemon/settle.py): what the end was, read once, and when to try again
     # to record it after a write failed (the group stays in memory until it is recorded).
     account: object | None = None
     settle_retry_at: float = 0.0
     settle_retries: int = 0
+    settling: bool = False          # its settlement is queued on the store thread
 
     # -- start -------------------------------------------------------------------------
 
@@ -301,7 +300,7 @@ class Group:
             pass
         elif not pid_unknown:
             why = f"its pid {pid} is not {' or '.join(map(str, sorted(known))) or 'known'}"
-        elif not isinstance(written, (int, float)) or written < self.started_at - _CLOCK_SLACK:
+        elif not isinstance(written, (int, float)) or written < self.started_at - procs.CREATE_TIME_SLACK_S:
             why = "it was written before this attempt started"
         if why is None:
             return record
@@ -373,7 +372,7 @@ class Group:
             fd = os.pidfd_open(worker.pid)
         except (RuntimeError, AttributeError, OSError, TypeError):
             return
-        if not _alive(worker.pid, worker.create_time):     # the pid was reused, or it is gone already
+        if not procs.alive(worker.pid, worker.create_time):     # the pid was reused, or it is gone already
             os.close(fd)
             return
 
@@ -429,7 +428,7 @@ class Group:
             if error is not None:
                 w.exit = RankExit(w.rank, error.get("pid") or w.pid, None, None, float(error.get("time") or now),
                                   error, tp_rank=k)
-            elif not _alive(w.pid, w.create_time):
+            elif not procs.alive(w.pid, w.create_time):
                 w.exit = RankExit(w.rank, w.pid, None, None, w.ended_at or now, tp_rank=k)
                 if self.splitter is not None and k in self.splitter.died:
                     self._mark_unexpected(w.exit, self.splitter.died[k])
@@ -464,7 +463,7 @@ class Group:
                 rc = rank.popen.poll()
                 if rc is None:
                     continue
-            elif _alive(rank.monitor_pid, rank.monitor_create_time):
+            elif procs.alive(rank.monitor_pid, rank.monitor_create_time):
                 continue
             else:
                 rc = None
@@ -491,6 +490,11 @@ class Group:
             after = oom.oom_kill_count()
             ex.oom_killed = after is not None and after > self.oom_before
         return ex
+
+    @property
+    def collecting(self) -> bool:
+        """The watchdog found the group stuck and is still collecting its stacks."""
+        return self.stuck is not None and "asked" not in self.stuck
 
     @property
     def alive(self) -> bool:
@@ -558,14 +562,14 @@ class Group:
             except OSError:
                 continue
         for r in self.ranks:
-            if _alive(r.monitor_pid, r.monitor_create_time):
+            if procs.alive(r.monitor_pid, r.monitor_create_time):
                 try:
                     pids.update(c.pid for c in psutil.Process(r.monitor_pid).children(recursive=True))
                     pids.add(r.monitor_pid)
                 except psutil.Error:
                     pass
-        pids.update(pid for pid, ct in self.seen if _alive(pid, ct))
-        pids.update(w.pid for w in self.workers.values() if w.pid and _alive(w.pid, w.create_time))
+        pids.update(pid for pid, ct in self.seen if procs.alive(pid, ct))
+        pids.update(w.pid for w in self.workers.values() if w.pid and procs.alive(w.pid, w.create_time))
         pids.discard(os.getpid())
         return pids
 

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,6 +15,8 @@ import psutil
 import pytest
 
 from daemon_harness import Daemon, selftest_toml, short_tmp, wait_for
+from eyas.daemon.client import DaemonError
+from eyas.state import paths
 
 SIZE_MB = 15
 # What the ranks' logs are left to fill: the test writes a filler for the rest, so that the
@@ -73,6 +76,14 @@ def test_a_full_state_directory_fails_the_attempt_with_enospc_and_starts_nothing
         # While the disk is full: no attempt beyond the first, whatever was or was not written.
         assert _status(d)["full"] is not None
         assert len(d.run(run_id)["stages"][0]["attempt_list"]) == 1
+        # A run submitted now is refused, and leaves no folder behind it.
+        folders = sorted(p.name for p in paths.runs_dir(small_home).iterdir())
+        elsewhere = Path(tempfile.mkdtemp()) / "later.toml"
+        elsewhere.write_text(selftest_toml("while-full", ranks=1))
+        with pytest.raises(DaemonError) as refused:
+            d.request("submit", config_path=str(elsewhere))
+        assert refused.value.code == "state_full" and "was not done" in refused.value.message
+        assert sorted(p.name for p in paths.runs_dir(small_home).iterdir()) == folders
 
         # Space returns: the filler and the rank logs go.
         attempt_dir = Path(d.run(run_id)["stages"][0]["attempt_list"][0]["dir"])

@@ -543,7 +543,7 @@ def test_group_supervises_tp_workers_as_ranks_without_an_engine(tmp_path):
                               state="running" if k == 0 else "failed", signal=None if k == 0 else 9,
                               role="tp-worker", tp_rank=k, parent_rank=0)
         fresh = daemon_core.Core(db, tmp_path)
-        fresh.recover()
+        asyncio.run(fresh.recover())
         again = fresh.groups[attempt_id]
         assert sorted((k, w.rank, w.pid, w.exit is not None) for k, w in again.workers.items()) == \
             [(0, 1, w0.pid, False), (1, 2, w1.pid, True)]

@@ -3,6 +3,8 @@ record stays true when the database is deleted or restored while the daemon is d
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 import subprocess
 import sys
@@ -178,12 +180,12 @@ def test_recovery_reads_only_the_rank_s_own_error_file(tmp_path):
     (attempt_dir / "rank-0.error.json").write_text(json.dumps({"type": "RuntimeError", "message": "stale",
                                                                  "pid": 999, "time": time.time()}))
     core = daemon_core.Core(db, tmp_path)
-    core.recover()
+    asyncio.run(core.recover())
     assert core.groups[attempt_id].ranks[0].exit.error is None
     (attempt_dir / "rank-0.error.json").write_text(json.dumps({"type": "RuntimeError", "message": "mine",
                                                                  "pid": 4242, "time": time.time()}))
     core = daemon_core.Core(db, tmp_path)
-    core.recover()
+    asyncio.run(core.recover())
     assert core.groups[attempt_id].ranks[0].exit.error["message"] == "mine"
 
 

@@ -49,7 +49,7 @@ def _core_with_an_ended_group(tmp_path, max_restarts: int = 0):
     return core, db, run_id, group
 
 
-def test_a_settlement_that_hits_a_full_disk_is_kept_whole_and_retried(tmp_path, monkeypatch):
+async def test_a_settlement_that_hits_a_full_disk_is_kept_whole_and_retried(tmp_path, monkeypatch):
     core, db, run_id, group = _core_with_an_ended_group(tmp_path)
     real = store.move_attempt
     full = [True]
@@ -61,6 +61,7 @@ def test_a_settlement_that_hits_a_full_disk_is_kept_whole_and_retried(tmp_path, 
 
     monkeypatch.setattr(store, "move_attempt", move_attempt)
     core.supervise()
+    await core.store.drain()
     # Nothing half-done: no error row, the attempt still running, and the group still known.
     assert group.attempt_id in core.groups and core.op_status()["active"]
     assert db.execute("SELECT count(*) FROM errors").fetchone()[0] == 0
@@ -72,6 +73,7 @@ def test_a_settlement_that_hits_a_full_disk_is_kept_whole_and_retried(tmp_path, 
     full[0] = False
     group.settle_retry_at = 0.0
     core.supervise()
+    await core.store.drain()
     assert group.attempt_id not in core.groups
     attempt = db["attempts"].get(group.attempt_id)
     assert attempt["state"] == "failed"
@@ -82,12 +84,17 @@ def test_a_settlement_that_hits_a_full_disk_is_kept_whole_and_retried(tmp_path, 
     assert store.stage_row(db, run_id, "selftest")["state"] == "failed"
 
 
-def test_a_restart_is_recorded_with_its_due_time(tmp_path):
+async def test_a_restart_is_recorded_with_its_due_time(tmp_path):
     core, db, run_id, group = _core_with_an_ended_group(tmp_path, max_restarts=1)
-    before = time.time()
+    ended = group.ranks[0].exit.time
+    time.sleep(0.2)       # the record is written later than the end it records
     core.supervise()
+    await core.store.drain()
     srow = store.stage_row(db, run_id, "selftest")
     assert (srow["state"], srow["restarts"]) == ("running", 1)
-    assert before + 7 <= srow["restart_at"] <= time.time() + 7
+    # Due from the group's real end (backoff 7 s), not from when the write got through.
+    assert srow["restart_at"] == ended + 7
+    assert db["attempts"].get(group.attempt_id)["ended_at"] == ended
     core.schedule()       # not due yet: nothing starts
+    await core.store.drain()
     assert db.execute("SELECT count(*) FROM attempts").fetchone()[0] == 1

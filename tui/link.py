@@ -29,6 +29,7 @@ class LinkStatus:
     retry_in: float | None
     gpu: bool | None = None  # the daemon's sampler sees GPUs (None when unknown)
     full: str | None = None  # what failed, while the daemon's state directory is full
+    busy: str | None = None  # what waits, while another process holds the daemon's database locked
 
 
 class DaemonLink:
@@ -86,11 +87,14 @@ class DaemonLink:
                 info = await client.request("status")
                 self.client = client
                 ever, attempts, delay = True, 0, self.min_backoff
-                self._set(LinkStatus(True, True, "", 0, None, info.get("gpu"), _full_text(info.get("full"))))
+                self._set(LinkStatus(True, True, "", 0, None, info.get("gpu"), _full_text(info.get("full")),
+                                     _busy_text(info.get("store_busy"))))
                 self.first_attempt.set()
                 async for ev in sub:
                     if ev.event == "state" and ev.data.get("entity") == "daemon":
                         self._set(replace(self.status, full=_full_text(ev.data.get("full"))))
+                    elif ev.event == "state" and ev.data.get("entity") == "store":
+                        self._set(replace(self.status, busy=_busy_text(ev.data.get("busy"))))
                     self._queue(ev)
             except DaemonNotRunning as exc:
                 reason = str(exc)
@@ -144,3 +148,8 @@ class DaemonLink:
 def _full_text(full: dict | None) -> str | None:
     """The daemon's "state directory full" record (op_status, state events) as its one line."""
     return full.get("what") or "the state directory is full" if isinstance(full, dict) else None
+
+
+def _busy_text(busy: dict | None) -> str | None:
+    """The daemon's "store busy" record (op_status, state events) as its one line."""
+    return f"waiting to record {busy['what']}" if isinstance(busy, dict) and busy.get("what") else None

@@ -31,6 +31,8 @@ class TopBar(Static):
             left.append("  [read-only]", style="yellow")
         if status.connected and status.full:
             right = Text("● daemon · state dir full", style="bold red")
+        elif status.connected and status.busy:
+            right = Text("● daemon · store busy", style="bold yellow")
         elif status.connected:
             right = Text("● daemon", style="green")
         elif status.ever_connected:
@@ -46,13 +48,15 @@ class TopBar(Static):
 
 
 class Banner(Static):
-    """Shown only while the daemon is not connected, or its state directory is full."""
+    """Shown only while the daemon is not connected, its state directory is full, or another
+    process holds its database locked."""
 
     DEFAULT_CSS = """
     Banner { height: auto; padding: 0 1; display: none; }
     Banner.down { display: block; background: $warning 30%; }
     Banner.lost { display: block; background: $error 40%; }
     Banner.full { display: block; background: $error 40%; }
+    Banner.busy { display: block; background: $warning 30%; }
     """
 
     def on_mount(self) -> None:
@@ -62,9 +66,13 @@ class Banner(Static):
         self.set_class(not status.connected and status.ever_connected, "lost")
         self.set_class(not status.connected and not status.ever_connected, "down")
         self.set_class(status.connected and bool(status.full), "full")
+        self.set_class(status.connected and not status.full and bool(status.busy), "busy")
         if status.connected and status.full:
             self.update(f"The daemon's state directory is full ({status.full}): no attempt starts and "
                         "the record waits until space returns. Free space there; eyas goes on by itself.")
+        elif status.connected and status.busy:
+            self.update(f"Store busy: another process holds eyas.db locked ({status.busy}). Supervision goes "
+                        "on; no attempt starts and the record waits until the lock is released.")
         elif status.connected:
             self.update("")
         elif status.ever_connected:
