@@ -25,20 +25,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 from sqlite_utils.db import NotFoundError
 
 from eyas.state import machine, paths, store
 from eyas.workers import config as run_config
 from eyas.workers import specs
 
-from . import diskfull, intent, protocol, settle, stacks, watchdog
+from . import diskfull, intent, oom, protocol, settle, stacks, watchdog
 from . import native as native_stacks
 from .storewriter import StoreBusy, Writer
 from .logsplit import LogSplitter
 from .protocol import ProtocolError
 from .sampler import RankRef, Sampler
 from .settle import who as _who
-from .supervisor import Group, Rank, RankExit, _read_json
+from .supervisor import Group, Rank, RankExit, _read_json, free_port
 
 log = logging.getLogger("eyas.daemon.core")
 
@@ -809,15 +810,16 @@ class Core:
     # -- start-up and the loop -------------------------------------------------------------
 
     @staticmethod
-    def _running_attempts(db) -> list[tuple[dict, dict, float | None, dict]]:
-        """Each running attempt with its ranks' rows, its last stored metric time and its run's config."""
+    def _running_attempts(db) -> list[tuple[dict, dict, float | None, dict, dict]]:
+        """Each running attempt with its ranks' rows, its last stored metric time, its run's
+        config and its run's row."""
         found = []
         for a in db["attempts"].rows_where("state = 'running'"):
             rows = {r["rank"]: r for r in db["ranks"].rows_where("attempt_id = ?", [a["id"]])}
             since = db.execute("SELECT max(time) FROM metrics WHERE run_id = ? AND stage = ? AND attempt = ?",
                                [a["run_id"], a["stage"], a["number"]]).fetchone()[0]
-            cfg = json.loads(db["runs"].get(a["run_id"])["config_json"] or "{}")
-            found.append((a, rows, since, cfg))
+            run = db["runs"].get(a["run_id"])
+            found.append((a, rows, since, json.loads(run["config_json"] or "{}"), run))
         return found
 
     async def recover(self) -> None:
@@ -827,18 +829,23 @@ class Core:
         pid is never mistaken for it; ranks that ended meanwhile are settled from their
         exit records and error files on the first supervision pass.
         """
-        for a, rows, since, cfg in await self.write(self._running_attempts, "reading the attempts to re-adopt"):
+        for a, rows, since, cfg, run in await self.write(self._running_attempts, "reading the attempts to re-adopt"):
             attempt_dir = Path(a["dir"])
             group = Group(a["run_id"], a["stage"], a["id"], a["number"], attempt_dir, a["world_size"],
                           json.loads(a["devices"] or "[]"), a["master_port"] or 0,
                           started_at=a["started_at"] or time.time())
+            unstarted, found_later = [], []
             for r in range(a["world_size"]):
                 row = rows.get(r) or {}
                 proc = _read_json(attempt_dir / f"rank-{r}.proc.json") or {}
+                if not row and not proc and not (attempt_dir / f"rank-{r}.log").exists():
+                    unstarted.append(r)     # the log is made just before the process: never begun
                 mpid = row.get("monitor_pid") or proc.get("monitor_pid")
                 mct = row.get("monitor_create_time") or proc.get("monitor_create_time")
                 if not mpid and (found := intent.find_monitor(group, r)) is not None:
                     mpid, mct = found
+                if mpid and not row.get("monitor_pid"):
+                    found_later.append((r, mpid, mct))      # its row was never written: now it is
                 rank = Rank(r, attempt_dir / f"rank-{r}.log", mpid or 0, mct, None,
                             row.get("pid") or proc.get("pid"), row.get("create_time") or proc.get("create_time"),
                             row.get("device"))
@@ -852,9 +859,52 @@ class Core:
             # not inserted twice.
             group.metrics_since = since
             _set_bounds(group, cfg)
+            if found_later:
+                self.write_later(lambda db, a=a["id"], found=found_later: [
+                    store.upsert_rank(db, a, r, monitor_pid=mpid, monitor_create_time=mct, host=self.host)
+                    for r, mpid, mct in found], f"recording the re-adopted ranks of run {a['run_id']}")
+            if unstarted and a.get("cancel_reason") is None and not a.get("stuck_json"):
+                self._finish_spawn(group, unstarted, run, cfg)
             self.groups[a["id"]] = group
             intent.resume(self, group, a)
             log.info("re-adopted run %s %s attempt %s (%s ranks)", a["run_id"], a["stage"], a["number"], a["world_size"])
+
+    def _finish_spawn(self, group: Group, unstarted: list[int], run: dict, cfg: dict) -> None:
+        """The last daemon died while starting this attempt's ranks (after recording the
+        attempt, before the last process began): start the missing ones into it, with the
+        rendezvous port its started ranks were given, rather than settling a rank that never
+        existed as Lost and starting another attempt beside them."""
+        started = [r for r in group.ranks if r.rank not in unstarted]
+        port = group.master_port or _master_port_of(started) or free_port()
+        group.master_port = port
+        run_dir = paths.run_dir(run, self.home)
+        output_dir = Path(run["output_dir"] or run_dir / "out")
+        output_dir.mkdir(parents=True, exist_ok=True)
+        group.dir.mkdir(parents=True, exist_ok=True)
+        if not started:
+            group.oom_before = oom.oom_kill_count()
+        env = {"EYAS_LOG_MAX_MB": f"{_log_max_mb(cfg, group.stage):g}"}
+        try:
+            for r in unstarted:
+                group.ranks[r] = group._start_rank(r, output_dir, run_dir / "config.json", env)
+        except OSError:
+            log.exception("run %s: %s attempt %d: could not finish starting its ranks", group.run_id,
+                          group.stage, group.attempt)
+            return
+        log.warning("run %s: %s attempt %d: the last daemon died while starting its ranks; started rank%s %s "
+                    "now (port %d)", group.run_id, group.stage, group.attempt, "" if len(unstarted) == 1 else "s",
+                    ", ".join(map(str, unstarted)), port)
+        now = time.time()
+        ranks = [(group.ranks[r].rank, group.ranks[r].monitor_pid, group.ranks[r].monitor_create_time,
+                  group.ranks[r].device, str(group.ranks[r].log_path)) for r in unstarted]
+
+        def record(db):
+            db["attempts"].update(group.attempt_id, {"master_port": port})
+            for rank, mpid, mct, device, log_path in ranks:
+                store.upsert_rank(db, group.attempt_id, rank, monitor_pid=mpid, monitor_create_time=mct,
+                                  host=self.host, device=device, state="running", started_at=now, log_path=log_path)
+
+        self.write_later(record, f"recording the ranks started for run {group.run_id} {group.stage}")
 
     async def check_run_folders(self) -> None:
         """Warn, once at start, about run folders that no run of the database records: the
@@ -986,6 +1036,18 @@ def _id_ranges(ids: list[int]) -> str:
         else:
             spans.append([i, i])
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _master_port_of(ranks: list[Rank]) -> int | None:
+    """The MASTER_PORT the daemon gave ranks that are running (from their monitors' environment)."""
+    for r in ranks:
+        try:
+            port = psutil.Process(r.monitor_pid).environ().get("MASTER_PORT") if r.monitor_pid else None
+        except (psutil.Error, OSError):
+            continue
+        if port and port.isdigit():
+            return int(port)
+    return None
 
 
 def _running(rank: Rank) -> bool:

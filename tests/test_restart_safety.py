@@ -3,6 +3,7 @@ is SIGKILLed is finished the same way by the daemon started next (real daemon, r
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -137,3 +138,52 @@ def test_a_hang_finding_recorded_just_before_a_crash_is_the_root_cause_after_it(
     assert abs(root["time"] - stuck["time"]) < 1e-3        # the first daemon's finding, not a new one
     assert "stall_timeout = 3" in root["message"] and "Current thread 0x" in root["traceback"]
     assert not any(_alive(p) for p in pids)
+
+
+def test_a_daemon_that_died_while_starting_ranks_is_followed_by_one_that_finishes_the_start(daemon):
+    """The state a daemon SIGKILLed inside Group.spawn leaves (the attempt recorded, rank 0
+    started, rank 1 never begun), made with the daemon's own code; the next daemon starts
+    rank 1 into the same attempt, on rank 0's rendezvous port, rather than settling a rank
+    that never existed as Lost and starting another attempt."""
+    from eyas.daemon.supervisor import Group
+    from eyas.state import paths, store
+    from eyas.workers import config as run_config
+
+    daemon.stop()
+    toml = daemon.home / "half.toml"
+    # A real gloo rendezvous: rank 0 waits for rank 1 on its MASTER_PORT.
+    toml.write_text(selftest_toml("half-started", ranks=2, max_restarts=2, options={
+        "steps": 5, "step_time": 0.05, "gloo_teardown": "safe"}))
+    cfg = run_config.load(toml)
+    db = store.open_writer(paths.db_path(daemon.home))
+    run_id, run_dir = paths.claim_run_dir(1, daemon.home)
+    data = {**cfg.to_dict(), "output_dir": str(run_dir / "out")}
+    (run_dir / "config.json").write_text(json.dumps(data))
+    store.create_run(db, name="half-started", model=None, stages=[{"name": "selftest", "max_restarts": 2,
+                                                                   "world_size": 2}],
+                     config=data, output_dir=data["output_dir"], run_id=run_id, dir=str(run_dir))
+    store.move_run(db, run_id, "running", "starting selftest")
+    store.move_stage(db, run_id, "selftest", "running", "started")
+    attempt_dir = run_dir / "selftest" / "attempt-1"
+    attempt_id, number = store.new_attempt(db, run_id, "selftest", dir=str(attempt_dir), world_size=2, devices=[])
+    db.conn.close()
+    group = Group(run_id, "selftest", attempt_id, number, attempt_dir, 2, [], 29500 + os.getpid() % 1000)
+    attempt_dir.mkdir(parents=True)
+    (run_dir / "out").mkdir()
+    rank0 = group._start_rank(0, run_dir / "out", run_dir / "config.json", {})
+    time.sleep(1.0)                     # rank 0 is up, waiting at the rendezvous
+
+    daemon.start()
+    run = daemon.wait_run(run_id, timeout=90)
+    stage = run["stages"][0]
+    (attempt,) = stage["attempt_list"]          # finished, not replaced
+    assert (run["state"], attempt["state"]) == ("succeeded", "succeeded"), (attempt["reason"], attempt["root_cause"])
+    ranks = {r["rank"]: r for r in attempt["ranks"]}
+    assert {r["state"] for r in ranks.values()} == {"exited"}
+    db = daemon.reader()
+    try:        # rank 0 is the process started before the restart, adopted, not started again
+        monitors = dict(db.execute("SELECT rank, monitor_pid FROM ranks WHERE attempt_id = ?", [attempt_id]).fetchall())
+    finally:
+        db.conn.close()
+    assert monitors[0] == rank0.monitor_pid and monitors[1] not in (None, 0, rank0.monitor_pid), monitors
+    assert "died while starting its ranks; started rank 1 now" in (daemon.home / "daemon.log").read_text()
