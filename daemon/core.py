@@ -258,7 +258,8 @@ class Core:
                 # The socket the server serves (daemon.main sets it; it moves when rebound).
                 "socket": str(self.served_socket or paths.socket_path(self.home, create=False)),
                 "database": str(paths.db_path(self.home)),
-                "active": active, "waiting": {str(k): v for k, v in self.waiting.items()},
+                # `waiting` copied at once (one C call): the store thread edits it.
+                "active": active, "waiting": {str(k): v for k, v in dict(self.waiting).items()},
                 "gpu": self.sampler.gpu_available, "full": self.disk.status(),
                 "store_busy": self.store.status()}
 
@@ -576,14 +577,15 @@ class Core:
                                 # Each rank's monitor bounds its log by this (state/logcut.py).
                                 extra_env={"EYAS_LOG_MAX_MB": f"{_log_max_mb(st.cfg, stage):g}"})
         except OSError as exc:
-            # The daemon could not even start the processes: that is the root cause.
-            now = time.time()
+            # The daemon could not even start the processes: that is the root cause. (Read
+            # here: `exc` is unbound once the except clause ends, before the job runs.)
+            now, kind, text = time.time(), type(exc).__name__, str(exc)
 
             def failed(db):
-                store.record_error(db, attempt_id, rank=None, type=type(exc).__name__, message=str(exc),
+                store.record_error(db, attempt_id, rank=None, type=kind, message=text,
                                    traceback="", time_=now, root_cause=True, source="spawn")
-                store.move_attempt(db, attempt_id, "failed", f"could not start ranks: {exc}", now=now)
-                self._move_stage(run_id, stage, "failed", f"could not start ranks: {exc}", now=now)
+                store.move_attempt(db, attempt_id, "failed", f"could not start ranks: {text}", now=now)
+                self._move_stage(run_id, stage, "failed", f"could not start ranks: {text}", now=now)
 
             self.write_later(failed, f"recording that run {run_id} {stage} attempt {number} could not start")
             return

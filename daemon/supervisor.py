@@ -508,7 +508,10 @@ class Group:
             return True
         if ex.error is not None:
             return float(ex.error.get("time") or ex.time) < self.teardown_since
-        return ex.time < self.teardown_since and (ex.signal is not None or ex.unexpected)
+        # Seen to end before the teardown began: the rank's own doing, whatever the cause (a
+        # bare exit code counts too: a rank that could not write its error file on a full
+        # disk is often what started the teardown, and must not be forgotten at settlement).
+        return ex.time < self.teardown_since
 
     def settle_workers(self) -> list[RankExit]:
         """The last word on the TP workers once the driver has ended: read the rest of the

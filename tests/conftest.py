@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,13 @@ EYAS = str(Path(sys.executable).with_name("eyas"))
 # starts a py-cpuinfo subprocess per engine.
 for _name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK"):
     os.environ.setdefault(_name, "1")
+
+# Ctrl-C as a terminal delivers it: a suite started in the background by a non-interactive
+# shell (`make test &`) inherits SIGINT ignored, every child it starts would too, and the
+# tests that press Ctrl-C on `eyas demo` or `eyas logs -f` would wait for nothing. A handler
+# here (not SIG_IGN) is reset to the default in every child at exec.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture

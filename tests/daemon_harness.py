@@ -208,6 +208,14 @@ def short_tmp() -> Path:
     return Path(tempfile.mkdtemp(prefix="ey", dir="/tmp"))
 
 
+def bench_home() -> Path:
+    """A fresh state directory for a benchmark, made this process's EYAS_HOME (its socket's
+    runtime dir inside it), so that the CLI and the daemons it starts use it."""
+    home = short_tmp()
+    os.environ.update(EYAS_HOME=str(home), XDG_RUNTIME_DIR=str(home / "rt"))
+    return home
+
+
 @pytest.fixture
 def daemon(monkeypatch):
     """A real daemon on a private state directory; torn down with all its ranks."""

@@ -98,3 +98,46 @@ async def test_a_restart_is_recorded_with_its_due_time(tmp_path):
     core.schedule()       # not due yet: nothing starts
     await core.store.drain()
     assert db.execute("SELECT count(*) FROM attempts").fetchone()[0] == 1
+
+
+async def test_an_attempt_whose_ranks_cannot_start_fails_with_that_cause(tmp_path):
+    """Scheduled through the store thread, spawned on the loop: the spawn's OSError is the root
+    cause recorded after the loop has moved on (the job runs once the except clause is gone)."""
+    from eyas.state import paths
+
+    db = store.open_writer(tmp_path / "eyas.db")
+    sampler = SimpleNamespace(gpu_available=False, sample=lambda refs, now: None, forget=lambda a: None)
+    core = Core(db, tmp_path, sampler=sampler)
+    run_id, run_dir = paths.claim_run_dir(1, tmp_path)
+    (run_dir / "config.json").write_text("{}")
+    (run_dir / "selftest").write_text("a file where the stage's folder goes")
+    store.create_run(db, name="r", model=None, stages=[{"name": "selftest", "world_size": 1}], config={},
+                     run_id=run_id, dir=str(run_dir))
+    core.schedule()
+    for _ in range(50):
+        await core.store.drain()
+        if store.stage_row(db, run_id, "selftest")["state"] == "failed":
+            break
+    attempt = db.execute("SELECT state, reason FROM attempts WHERE run_id = ?", [run_id]).fetchone()
+    root = db.execute("SELECT type, message, source FROM errors WHERE root_cause = 1").fetchone()
+    assert attempt[0] == "failed" and attempt[1].startswith("could not start ranks: "), attempt
+    assert root[0] in ("FileExistsError", "NotADirectoryError") and root[2] == "spawn", root
+    assert not core.groups and store.stage_row(db, run_id, "selftest")["state"] == "failed"
+
+
+async def test_a_bare_exit_code_that_started_the_teardown_stays_the_cause(tmp_path):
+    """Rank 0 exits 1 with no error file (its disk was full), the teardown kills rank 1: the
+    settlement records the failure that started it, not a success."""
+    core, db, run_id, group = _core_with_an_ended_group(tmp_path)
+    exited = group.ranks[0].exit.time
+    group.teardown_since = exited + 0.5           # the teardown came after, and killed rank 1
+    group.world_size = 2
+    peer = Rank(1, tmp_path / "attempt-1" / "rank-1.log", 0, None)
+    peer.exit = RankExit(1, 4243, None, 15, exited + 0.6)
+    group.ranks.append(peer)
+    assert [e.rank for e in group.failures()] == [0]
+    core.supervise()
+    await core.store.drain()
+    attempt = db["attempts"].get(group.attempt_id)
+    assert attempt["state"] == "failed" and attempt["reason"].startswith("rank 0 failed: "), attempt["reason"]
+    assert store.stage_row(db, run_id, "selftest")["state"] == "failed"

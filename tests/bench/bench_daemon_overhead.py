@@ -8,7 +8,6 @@ share of the work). Run: python tests/bench/bench_daemon_overhead.py [seconds]
 
 from __future__ import annotations
 
-import os
 import re
 import statistics
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from daemon_harness import Daemon, selftest_toml, short_tmp, wait_for  # noqa: E402
+from daemon_harness import Daemon, bench_home, selftest_toml, wait_for  # noqa: E402
 from eyas.daemon.client import Client  # noqa: E402
 
 RANKS = 8
@@ -36,9 +35,7 @@ def cpu_seconds(proc: psutil.Process) -> float:
 
 def main() -> int:
     seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 20.0
-    home = short_tmp()
-    os.environ["EYAS_HOME"] = str(home)
-    os.environ["XDG_RUNTIME_DIR"] = str(home / "rt")
+    home = bench_home()
     d = Daemon(home).start()
     daemon_proc = psutil.Process(d.proc.pid)
     latencies: list[float] = []

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from daemon_harness import Daemon, short_tmp  # noqa: E402
+from daemon_harness import Daemon, bench_home  # noqa: E402
 from eyas.daemon.demo import DEMO_TOML, FIT_STEPS  # noqa: E402
 from eyas.state import queries  # noqa: E402
 
@@ -176,9 +176,7 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=240.0, help="seconds after which a train run counts as hung")
     p.add_argument("--busy", type=int, default=os.cpu_count() or 2, help="busy loops during a loaded run")
     a = p.parse_args()
-    home = short_tmp()
-    os.environ["EYAS_HOME"] = str(home)
-    os.environ["XDG_RUNTIME_DIR"] = str(home / "rt")
+    home = bench_home()
     subprocess.run([sys.executable, "-m", "eyas.workers.assets", str(home / "assets"), "--fit-steps", str(FIT_STEPS)],
                    check=True, stdin=subprocess.DEVNULL, capture_output=True)
     d = Daemon(home, grace=5.0).start()

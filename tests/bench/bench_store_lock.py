@@ -13,7 +13,6 @@ Run: python tests/bench/bench_store_lock.py [seconds]
 
 from __future__ import annotations
 
-import os
 import statistics
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from daemon_harness import Daemon, selftest_toml, short_tmp, wait_for  # noqa: E402
+from daemon_harness import Daemon, bench_home, selftest_toml, wait_for  # noqa: E402
 from eyas.daemon.client import Client  # noqa: E402
 from eyas.state import paths  # noqa: E402
 
@@ -55,9 +54,7 @@ def summary(xs: list[float]) -> tuple[float, float, float]:
 
 def main() -> int:
     seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 20.0
-    home = short_tmp()
-    os.environ["EYAS_HOME"] = str(home)
-    os.environ["XDG_RUNTIME_DIR"] = str(home / "rt")
+    home = bench_home()
     d = Daemon(home).start()
     try:
         run_id = d.submit(selftest_toml("lock-bench", ranks=2, options={

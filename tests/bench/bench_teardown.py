@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from daemon_harness import Daemon, selftest_toml, short_tmp, wait_for  # noqa: E402
+from daemon_harness import Daemon, bench_home, selftest_toml, wait_for  # noqa: E402
 
 RANKS = 8
 TRIALS = 10
@@ -59,9 +59,7 @@ def eyas_trial(d: Daemon, n: int) -> float:
 
 
 def main() -> int:
-    home = short_tmp()
-    os.environ["EYAS_HOME"] = str(home)
-    os.environ["XDG_RUNTIME_DIR"] = str(home / "rt")
+    home = bench_home()
     d = Daemon(home).start()
     try:
         eyas = [eyas_trial(d, n) for n in range(TRIALS)]

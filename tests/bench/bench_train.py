@@ -239,7 +239,7 @@ def main() -> int:
         return 0
 
     sys.path.insert(0, str(TESTS))
-    from daemon_harness import Daemon, short_tmp
+    from daemon_harness import Daemon, bench_home
 
     CACHE.mkdir(exist_ok=True)
     t0 = time.perf_counter()
@@ -247,8 +247,7 @@ def main() -> int:
     print(f"draft: 1 Llama layer, hidden {HIDDEN}, draft vocab {DRAFT_VOCAB}, 3 TTT steps, fp32 on "
           f"{len(os.sched_getaffinity(0))} CPUs; {args.samples - VAL_ROWS} training samples x {SEQ} tokens, "
           f"{BATCH_TOKENS} tokens per rank and step, 1 epoch", flush=True)
-    home = short_tmp()
-    os.environ.update(EYAS_HOME=str(home), XDG_RUNTIME_DIR=str(home / "rt"))
+    home = bench_home()
     daemon = Daemon(home).start()
     results: dict[int, dict[str, list[dict]]] = {}
     try:
