@@ -29,6 +29,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# ruff's rules and import-linter's contracts live in pyproject.toml.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
+
 bench: $(STAMP)
 	for b in tests/bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 

@@ -141,7 +141,7 @@ class Client:
         self._conn: _SyncConn | None = None
         self._ids = itertools.count(1)
 
-    def connect(self) -> "Client":
+    def connect(self) -> Client:
         if self._conn is None:
             self._conn = _SyncConn(self.path, self.timeout)
         return self
@@ -165,7 +165,7 @@ class Client:
             raise
         return _raise_for(msg)
 
-    def subscribe(self, topics: str | Iterable[str], **filters: Any) -> "SyncSubscription":
+    def subscribe(self, topics: str | Iterable[str], **filters: Any) -> SyncSubscription:
         """Stream events on a connection of its own. The subscription is live on return;
         iterating ends when the daemon closes the connection."""
         conn = _SyncConn(self.path, self.timeout)
@@ -190,7 +190,7 @@ class Client:
             self._conn.close()
             self._conn = None
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self.connect()
 
     def __exit__(self, *exc: object) -> None:
@@ -214,7 +214,7 @@ class SyncSubscription(Iterator[Event]):
     def close(self) -> None:
         self._conn.close()
 
-    def __enter__(self) -> "SyncSubscription":
+    def __enter__(self) -> SyncSubscription:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -233,7 +233,7 @@ class Subscription(AsyncIterator[Event]):
     DaemonNotRunning after the events already received; after close() it just ends.
     """
 
-    def __init__(self, client: "AsyncClient", sub: int | str, maxsize: int):
+    def __init__(self, client: AsyncClient, sub: int | str, maxsize: int):
         self._client = client
         self.sub = sub
         self._maxsize = maxsize
@@ -262,7 +262,7 @@ class Subscription(AsyncIterator[Event]):
             self._end = exc or StopAsyncIteration()
         self._wake.set()
 
-    def __aiter__(self) -> "Subscription":
+    def __aiter__(self) -> Subscription:
         return self
 
     async def __anext__(self) -> Event:
@@ -294,7 +294,7 @@ class Subscription(AsyncIterator[Event]):
             self._client._subs.pop(self.sub, None)
             self._finish(None)
 
-    async def __aenter__(self) -> "Subscription":
+    async def __aenter__(self) -> Subscription:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -323,7 +323,7 @@ class AsyncClient:
     def connected(self) -> bool:
         return self._writer is not None and self._lost is None
 
-    async def connect(self) -> "AsyncClient":
+    async def connect(self) -> AsyncClient:
         try:
             reader, self._writer = await asyncio.open_unix_connection(str(self.path))
         except (FileNotFoundError, ConnectionRefusedError):
@@ -346,7 +346,7 @@ class AsyncClient:
             self._reader_task = None
         self._fail_all(DaemonNotRunning(self.path, f"the connection to the eyas daemon at {self.path} was closed"))
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return await self.connect()
 
     async def __aexit__(self, *exc: object) -> None:

@@ -17,10 +17,10 @@ def _request(op: str, **args):
             return c.request(op, **args)
     except DaemonNotRunning as exc:
         print(f"eyas {op}: {exc}", file=sys.stderr)
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     except DaemonError as exc:
         print(f"eyas {op}: {exc.message}", file=sys.stderr)
-        raise SystemExit(2 if exc.code in ("invalid_config", "bad_request") else 1)
+        raise SystemExit(2 if exc.code in ("invalid_config", "bad_request") else 1) from None
 
 
 def submit(args) -> int:

@@ -28,17 +28,17 @@ from typing import Any
 import psutil
 from sqlite_utils.db import NotFoundError
 
-from eyas.state import machine, paths, store
+from eyas.state import contract, machine, paths, store
 from eyas.workers import config as run_config
 from eyas.workers import specs
 
 from . import diskfull, intent, oom, protocol, settle, stacks, watchdog
 from . import native as native_stacks
-from .storewriter import StoreBusy, Writer
 from .logsplit import LogSplitter
 from .protocol import ProtocolError
 from .sampler import RankRef, Sampler
 from .settle import who as _who
+from .storewriter import StoreBusy, Writer
 from .supervisor import Group, Rank, RankExit, _read_json, free_port
 
 log = logging.getLogger("eyas.daemon.core")
@@ -341,7 +341,7 @@ class Core:
         while a stop looks at both."""
         try:
             await asyncio.wait_for(self._decide.acquire(), OP_TIMEOUT)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise StoreBusy(self.store._busy_text(what)) from None
         try:
             yield
@@ -575,15 +575,15 @@ class Core:
                                 output_dir=st.output_dir,
                                 config_path=st.run_dir / "config.json",
                                 # Each rank's monitor bounds its log by this (state/logcut.py).
-                                extra_env={"EYAS_LOG_MAX_MB": f"{_log_max_mb(st.cfg, stage):g}"})
+                                extra_env={contract.LOG_MAX_MB: f"{_log_max_mb(st.cfg, stage):g}"})
         except OSError as exc:
             # The daemon could not even start the processes: that is the root cause. (Read
             # here: `exc` is unbound once the except clause ends, before the job runs.)
             now, kind, text = time.time(), type(exc).__name__, str(exc)
 
             def failed(db):
-                store.record_error(db, attempt_id, rank=None, type=kind, message=text,
-                                   traceback="", time_=now, root_cause=True, source="spawn")
+                store.record_error(db, attempt_id, root_cause=True, **contract.ErrorRecord(
+                    type=kind, message=text, traceback="", time=now, source="spawn").fields())
                 store.move_attempt(db, attempt_id, "failed", f"could not start ranks: {text}", now=now)
                 self._move_stage(run_id, stage, "failed", f"could not start ranks: {text}", now=now)
 
@@ -739,15 +739,15 @@ class Core:
             # A TP worker is measured as its own rank, so its tree is kept out of its driver's.
             tp_pids = frozenset(w.pid for w in g.workers.values() if w.pid)
             refs += [RankRef(g.run_id, g.stage, g.attempt, g.attempt_id, r.rank, r.monitor_pid, r.monitor_create_time,
-                             g.dir / f"rank-{r.rank}.progress.jsonl", g.metrics_since, exclude=tp_pids)
+                             g.dir / contract.rank_file(r.rank, contract.PROGRESS), g.metrics_since, exclude=tp_pids)
                      for r in g.ranks if final or r.exit is None]
             refs += [RankRef(g.run_id, g.stage, g.attempt, g.attempt_id, w.rank, w.pid, w.create_time,
-                             g.dir / f"tp-{k}.progress.jsonl", g.metrics_since)
+                             g.dir / contract.tp_file(k, contract.PROGRESS), g.metrics_since)
                      for k, w in sorted(g.workers.items()) if final or _running(w)]
         if not refs:
             return
         result = self.sampler.sample(refs, now)
-        for (attempt_id, rank), pids in result.descendants.items():
+        for (attempt_id, _rank), pids in result.descendants.items():
             group = self.groups.get(attempt_id)
             if group is not None:
                 group.seen.update(pids)
@@ -839,8 +839,8 @@ class Core:
             unstarted, found_later = [], []
             for r in range(a["world_size"]):
                 row = rows.get(r) or {}
-                proc = _read_json(attempt_dir / f"rank-{r}.proc.json") or {}
-                if not row and not proc and not (attempt_dir / f"rank-{r}.log").exists():
+                proc = _read_json(attempt_dir / contract.rank_file(r, contract.PROC)) or {}
+                if not row and not proc and not (attempt_dir / contract.rank_file(r, contract.LOG)).exists():
                     unstarted.append(r)     # the log is made just before the process: never begun
                 mpid = row.get("monitor_pid") or proc.get("monitor_pid")
                 mct = row.get("monitor_create_time") or proc.get("monitor_create_time")
@@ -848,7 +848,7 @@ class Core:
                     mpid, mct = found
                 if mpid and not row.get("monitor_pid"):
                     found_later.append((r, mpid, mct))      # its row was never written: now it is
-                rank = Rank(r, attempt_dir / f"rank-{r}.log", mpid or 0, mct, None,
+                rank = Rank(r, attempt_dir / contract.rank_file(r, contract.LOG), mpid or 0, mct, None,
                             row.get("pid") or proc.get("pid"), row.get("create_time") or proc.get("create_time"),
                             row.get("device"))
                 if row.get("state") in ("exited", "failed", "killed"):
@@ -885,7 +885,7 @@ class Core:
         group.dir.mkdir(parents=True, exist_ok=True)
         if not started:
             group.oom_before = oom.oom_kill_count()
-        env = {"EYAS_LOG_MAX_MB": f"{_log_max_mb(cfg, group.stage):g}"}
+        env = {contract.LOG_MAX_MB: f"{_log_max_mb(cfg, group.stage):g}"}
         try:
             for r in unstarted:
                 group.ranks[r] = group._start_rank(r, output_dir, run_dir / "config.json", env)
@@ -930,7 +930,7 @@ class Core:
             k = row["tp_rank"]
             parent = row.get("parent_rank") or 0
             driver = group.ranks[parent] if 0 <= parent < len(group.ranks) else None
-            w = Rank(row["rank"], group.dir / f"tp-{k}.log", driver.monitor_pid if driver else 0,
+            w = Rank(row["rank"], group.dir / contract.tp_file(k, contract.LOG), driver.monitor_pid if driver else 0,
                      driver.monitor_create_time if driver else None, None, row.get("pid"), row.get("create_time"),
                      row.get("device"), role="tp-worker", tp_rank=k, started_at=row.get("started_at"))
             if row.get("state") in ("exited", "failed", "killed"):
@@ -940,7 +940,7 @@ class Core:
             group.workers[k] = w
         if group.workers and group.ranks:
             driver = group.ranks[0]
-            group.splitter = LogSplitter(driver.log_path, group.dir / f"rank-{driver.rank}.split.json")
+            group.splitter = LogSplitter(driver.log_path, group.dir / contract.rank_file(driver.rank, contract.SPLIT))
 
     async def shutdown(self, grace: float | None = None) -> None:
         self.stopping = True
@@ -1007,7 +1007,7 @@ class Core:
                 self._step("pruning metrics", self.prune)
             try:
                 await asyncio.wait_for(self._dirty.wait(), timeout=0.05)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 
@@ -1044,7 +1044,7 @@ def _master_port_of(ranks: list[Rank]) -> int | None:
     """The MASTER_PORT the daemon gave ranks that are running (from their monitors' environment)."""
     for r in ranks:
         try:
-            port = psutil.Process(r.monitor_pid).environ().get("MASTER_PORT") if r.monitor_pid else None
+            port = psutil.Process(r.monitor_pid).environ().get(contract.MASTER_PORT) if r.monitor_pid else None
         except (psutil.Error, OSError):
             continue
         if port and port.isdigit():

@@ -226,7 +226,7 @@ def evaluate_lines(run: dict) -> list[str]:
     differ = s.get("mismatched_prompts") or 0
     lines.append(f"  speedup x{_num(s.get('speedup'), '.2f')}; lossless: "
                  + ("yes" if s.get("lossless") else f"NO, {differ} outputs differ from the target's")
-                 + f" (greedy outputs with each draft vs without)")
+                 + " (greedy outputs with each draft vs without)")
     return lines
 
 

@@ -27,6 +27,8 @@ import time
 
 import psutil
 
+from eyas.state import contract
+
 from . import watchdog
 from .supervisor import Group
 
@@ -68,7 +70,7 @@ def find_monitor(group: Group, rank: int) -> tuple[int, float] | None:
     never recorded: the daemon died between starting it and writing its row, and before the
     monitor wrote its proc file. Without this, a live rank would be settled as lost and its
     attempt started again beside it."""
-    wanted = {"EYAS_ATTEMPT_DIR": str(group.dir), "RANK": str(rank)}
+    wanted = {contract.ATTEMPT_DIR: str(group.dir), contract.RANK: str(rank)}
     for p in psutil.process_iter(["environ"]):
         try:
             env = p.info["environ"] or {}

@@ -119,7 +119,7 @@ def _pattern(text: str | None):
     try:
         return re.compile(text)
     except re.error as exc:
-        raise Failure(f"--grep {text!r}: not a regular expression ({exc}); escape special characters", 2)
+        raise Failure(f"--grep {text!r}: not a regular expression ({exc}); escape special characters", 2) from None
 
 
 def _stage(run: dict, wanted: str | None) -> dict:

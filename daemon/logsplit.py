@@ -39,7 +39,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from eyas.state import logcut
+from eyas.state import contract, logcut
 
 _ANSI = rb"(?:\x1b\[[0-9;]*m)*"
 PREFIX = re.compile(_ANSI + rb"\((?P<name>[A-Za-z][\w.-]*(?: (?:rank=\d+|[A-Z]+\d+(?:_[A-Z]+\d+)*))?) pid=(?P<pid>\d+)\)")
@@ -71,7 +71,7 @@ def route(line: bytes, tp_of_pid: Callable[[int], int | None]) -> int | str:
 
 
 def output_name(target: int | str) -> str:
-    return "driver.log" if target == DRIVER else f"tp-{target}.log"
+    return contract.DRIVER_LOG if target == DRIVER else contract.tp_file(target, contract.LOG)
 
 
 class LogSplitter:
@@ -103,7 +103,7 @@ class LogSplitter:
         # Lines appended after the last recorded state are appended again: cut them first.
         for path in self.dir.glob("tp-*.log"):
             self._truncate(path, self.sizes.get(path.name, 0))
-        self._truncate(self.dir / "driver.log", self.sizes.get("driver.log", 0))
+        self._truncate(self.dir / contract.DRIVER_LOG, self.sizes.get(contract.DRIVER_LOG, 0))
         return int(state.get("offset", 0))
 
     @staticmethod

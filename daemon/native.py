@@ -55,7 +55,7 @@ async def dump(pid: int, timeout: float = TIMEOUT) -> dict:
         return {"native_skipped": f"cannot run {exe}: {exc.strerror or exc}"}
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         proc.kill()
         await proc.wait()
         return {"native_skipped": f"py-spy did not finish within {timeout:g} s"}

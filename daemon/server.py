@@ -58,7 +58,7 @@ class DaemonAlreadyRunning(RuntimeError):
 
 
 class Handler(typing.Protocol):
-    async def handle(self, req: Request, conn: "Connection") -> Any:
+    async def handle(self, req: Request, conn: Connection) -> Any:
         """Return the reply's result; raise ProtocolError(code, msg) for an error reply."""
 
 
@@ -84,7 +84,7 @@ class Connection:
 
     _ids = itertools.count(1)
 
-    def __init__(self, server: "Server", reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+    def __init__(self, server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  pid: int, uid: int, gid: int):
         self.id = next(self._ids)
         self.peer_pid = pid

@@ -19,7 +19,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from eyas.state import procs, store
+from eyas.state import contract, procs, store
+from eyas.state.contract import ErrorRecord
 
 from . import diskfull, watchdog
 from .supervisor import Group, RankExit, _read_json, describe_failure, log_tail
@@ -35,7 +36,7 @@ def who(ex: RankExit) -> str:
 class Account:
     """What a group's end was, read once: error records (root cause first), and whose."""
 
-    records: list[tuple[RankExit | None, dict]]     # (whose, error record); None: the watchdog's
+    records: list[tuple[RankExit | None, ErrorRecord]]     # (whose, error record); None: the watchdog's
     exits: list[RankExit]           # every member's exit, recorded again with the settlement
     summary_json: str | None
     ended_at: float                 # when the last member was seen to end
@@ -54,30 +55,30 @@ def describe(core, group: Group) -> Account:
         records.insert(0, (None, stuck))
     elif stuck is not None:
         # A straggler's own exception, raised before it hung on its way out, stays the cause.
-        records = sorted([*records, (None, stuck)], key=lambda pair: pair[1]["time_"])
+        records = sorted([*records, (None, stuck)], key=lambda pair: pair[1].time)
     # The stage's summary is its last finished attempt's, a failed one's included (evaluate
     # records its figures, then fails on a lossless mismatch: the figures stay beside the error).
-    summary = _read_json(group.dir / "summary.json")
+    summary = _read_json(group.dir / contract.SUMMARY)
     exits = [r.exit for r in group.ranks if r.exit is not None] + workers
     ended_at = max((ex.time for ex in exits if ex.time), default=time.time())
     return Account(records, exits, json.dumps(summary) if summary is not None else None, ended_at)
 
 
-def _as_recorded(core, group: Group, ex: RankExit | None, rec: dict) -> dict:
+def _as_recorded(core, group: Group, ex: RankExit | None, rec: ErrorRecord) -> ErrorRecord:
     """One failure's error record as it is written; a rank whose exit or error file is missing
     because the state directory was full is named for that, not as a plain exit code or a lost
     rank. Decided at each try: the settlement's own write may be what shows the disk full."""
     if ex is None or ex.tp_rank is not None or ex.error is not None or ex.signal is not None or not _was_full(core, group):
         return rec
-    missing = [name for name in (f"rank-{ex.rank}.exit.json", f"rank-{ex.rank}.error.json")
+    missing = [name for name in (contract.rank_file(ex.rank, contract.EXIT), contract.rank_file(ex.rank, contract.ERROR))
                if not (group.dir / name).exists()]
     if not missing:
         return rec
     how = f"exited with code {ex.exit_code}" if ex.exit_code is not None else "ended"
-    return {**rec, "type": "ENOSPC", "source": "disk_full", "path": str(group.dir / missing[0]),
-            "message": f"ENOSPC while writing {' and '.join(missing)}: the state directory {core.home} was full "
-                       f"(no space left on device); rank {ex.rank} (pid {ex.pid}) {how}",
-            "traceback": rec["traceback"] or log_tail(group.rank_of(ex.rank).log_path)}
+    return rec.replace(type="ENOSPC", source="disk_full", path=str(group.dir / missing[0]),
+                       message=f"ENOSPC while writing {' and '.join(missing)}: the state directory {core.home} "
+                               f"was full (no space left on device); rank {ex.rank} (pid {ex.pid}) {how}",
+                       traceback=rec.traceback or log_tail(group.rank_of(ex.rank).log_path))
 
 
 def _was_full(core, group: Group) -> bool:
@@ -86,7 +87,7 @@ def _was_full(core, group: Group) -> bool:
             or disk.low(group.dir))
 
 
-def record(core, db, group: Group, account: Account, records: list[dict]) -> None:
+def record(core, db, group: Group, account: Account, records: list[ErrorRecord]) -> None:
     """On the store thread, in the job's one transaction: the exits, the errors, the attempt's
     end, and the stage's and run's (or the restart the policy calls for, with its due time)."""
     run_id, stage, end = group.run_id, group.stage, account.ended_at
@@ -94,7 +95,7 @@ def record(core, db, group: Group, account: Account, records: list[dict]) -> Non
         for ex, fields in account.exit_fields:
             core._write_exit(db, group, ex, fields)
         for i, rec in enumerate(records):
-            store.record_error(db, group.attempt_id, root_cause=(i == 0), **rec)
+            store.record_error(db, group.attempt_id, root_cause=(i == 0), **rec.fields())
         # A hang finding's stacks now live in its error's traceback; only recovery read them here.
         db.execute("UPDATE attempts SET stuck_json = NULL WHERE id = ?", [group.attempt_id])
         srow = store.stage_row(db, run_id, stage)
@@ -103,7 +104,7 @@ def record(core, db, group: Group, account: Account, records: list[dict]) -> Non
         if records:
             rec = records[0]
             lead = "" if account.records[0][0] is None else f"{who(account.records[0][0])} failed: "
-            why = f"{lead}{rec['type']}" + (f": {rec['message']}" if rec["message"] else "")
+            why = f"{lead}{rec.type}" + (f": {rec.message}" if rec.message else "")
             store.move_attempt(db, group.attempt_id, "failed", why, now=end)
             if cancel is None and srow["restarts"] < (srow["max_restarts"] or 0) and not core.stopping:
                 n = srow["restarts"] + 1

@@ -18,6 +18,8 @@ import json
 import os
 from pathlib import Path
 
+from eyas.state import contract
+
 from .stacks import report
 from .supervisor import tail_text
 
@@ -48,7 +50,7 @@ def check(group, now: float) -> dict | None:
 def last_heartbeat(directory: Path) -> dict | None:
     """The newest heartbeat line of any progress file: {"phase", "time", "file"}, or None."""
     best = None
-    for path in directory.glob("*.progress.jsonl"):
+    for path in directory.glob(contract.PROGRESS_GLOB):
         for line in reversed(tail_text(path).splitlines()):
             try:
                 rec = json.loads(line)
@@ -62,7 +64,7 @@ def last_heartbeat(directory: Path) -> dict | None:
     return best
 
 
-def error_record(group, host: str) -> dict:
+def error_record(group, host: str) -> contract.ErrorRecord:
     """The root-cause error of a stalled attempt (a supervisor.Group whose `stuck` is a stall)."""
     stuck = group.stuck
     asked = stuck.get("asked", [])
@@ -71,11 +73,10 @@ def error_record(group, host: str) -> dict:
     beat = stuck.get("heartbeat")
     said = (f"; the last heartbeat was {beat['file'].replace('-', ' ')}'s {beat['phase']!r}, "
             f"{stuck['time'] - beat['time']:.0f} s before") if beat else ""
-    return {
-        "rank": first.get("rank"), "pid": first.get("pid"), "host": host, "type": "Stalled",
-        "message": (f"no rank wrote a log line or progress for {stuck['quiet']:.0f} s "
-                    f"(stages.{group.stage}.stall_timeout = {group.stall_timeout:g}){said}; "
-                    "the live ranks' stacks follow"),
-        "traceback": report(asked, first or None), "time_": stuck["time"], "source": "stall",
-        "path": first.get("log_path"),
-    }
+    return contract.ErrorRecord(
+        rank=first.get("rank"), pid=first.get("pid"), host=host, type="Stalled",
+        message=(f"no rank wrote a log line or progress for {stuck['quiet']:.0f} s "
+                 f"(stages.{group.stage}.stall_timeout = {group.stall_timeout:g}){said}; "
+                 "the live ranks' stacks follow"),
+        traceback=report(asked, first or None), time=stuck["time"], source="stall", path=first.get("log_path"),
+    )

@@ -17,6 +17,8 @@ native and Python stacks as its traceback.
 
 from __future__ import annotations
 
+from eyas.state import contract
+
 from .stacks import report
 
 
@@ -27,7 +29,7 @@ def check(group, now: float) -> dict | None:
         if r.exit is not None or r.role == "tp-worker":
             continue
         since = []
-        done = group.own_record(f"rank-{r.rank}.done.json", {r.pid}, pid_unknown=r.pid is None)
+        done = group.own_record(contract.rank_file(r.rank, contract.DONE), {r.pid}, pid_unknown=r.pid is None)
         if done is not None and done.get("time") is not None:
             since.append((float(done["time"]), "its stage function returned"))
         peers = [p for p in group.ranks if p is not r]
@@ -38,16 +40,15 @@ def check(group, now: float) -> dict | None:
     return None
 
 
-def error_record(group, host: str) -> dict:
+def error_record(group, host: str) -> contract.ErrorRecord:
     """The error of a straggling rank (a supervisor.Group whose `stuck` is a straggler)."""
     stuck = group.stuck
     asked = stuck.get("asked", [])
     mine = next((a for a in asked if a.get("rank") == stuck["rank"] and a.get("role") != "tp-worker"), None)
     rank = group.ranks[stuck["rank"]]
-    return {
-        "rank": stuck["rank"], "pid": stuck["pid"], "host": host, "type": "Straggler",
-        "message": (f"rank {stuck['rank']} did not exit {group.exit_timeout:g} s after {stuck['after']} "
-                    f"(stages.{group.stage}.exit_timeout = {group.exit_timeout:g}); its stacks follow"),
-        "traceback": report(asked, mine), "time_": stuck["time"], "source": "straggler",
-        "path": str(rank.log_path),
-    }
+    return contract.ErrorRecord(
+        rank=stuck["rank"], pid=stuck["pid"], host=host, type="Straggler",
+        message=(f"rank {stuck['rank']} did not exit {group.exit_timeout:g} s after {stuck['after']} "
+                 f"(stages.{group.stage}.exit_timeout = {group.exit_timeout:g}); its stacks follow"),
+        traceback=report(asked, mine), time=stuck["time"], source="straggler", path=str(rank.log_path),
+    )

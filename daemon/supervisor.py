@@ -46,7 +46,7 @@ from pathlib import Path
 
 import psutil
 
-from eyas.state import procs
+from eyas.state import contract, procs
 from eyas.workers import specs
 
 from . import oom
@@ -212,7 +212,7 @@ class Group:
     @classmethod
     def spawn(cls, *, run_id: int, stage: str, attempt_id: int, attempt: int, dir: Path,
               world_size: int, devices: list[int], output_dir: Path, config_path: Path | None,
-              extra_env: dict[str, str] | None = None) -> "Group":
+              extra_env: dict[str, str] | None = None) -> Group:
         dir.parent.mkdir(parents=True, exist_ok=True)
         try:
             # Exclusively: a folder that exists holds another run's or attempt's files (a
@@ -240,18 +240,18 @@ class Group:
     def _start_rank(self, r: int, output_dir: Path, config_path: Path | None, extra: dict) -> Rank:
         env = dict(os.environ)
         env.update(
-            RANK=str(r), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(r),
-            LOCAL_WORLD_SIZE=str(self.world_size), MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(self.master_port), EYAS_RUN_ID=str(self.run_id), EYAS_STAGE=self.stage,
-            EYAS_ATTEMPT=str(self.attempt), EYAS_ATTEMPT_DIR=str(self.dir),
-            EYAS_OUTPUT_DIR=str(output_dir), PYTHONUNBUFFERED="1", **extra,
+            {contract.RANK: str(r), contract.WORLD_SIZE: str(self.world_size), contract.LOCAL_RANK: str(r),
+             contract.LOCAL_WORLD_SIZE: str(self.world_size), contract.MASTER_ADDR: "127.0.0.1",
+             contract.MASTER_PORT: str(self.master_port), contract.RUN_ID: str(self.run_id),
+             contract.STAGE: self.stage, contract.ATTEMPT: str(self.attempt), contract.ATTEMPT_DIR: str(self.dir),
+             contract.OUTPUT_DIR: str(output_dir), "PYTHONUNBUFFERED": "1"}, **extra,
         )
         if config_path:
-            env["EYAS_CONFIG"] = str(config_path)
+            env[contract.CONFIG] = str(config_path)
         devs = self.rank_devices(r)
         if devs:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devs))
-        log_path = self.dir / f"rank-{r}.log"
+        log_path = self.dir / contract.rank_file(r, contract.LOG)
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
         try:
             popen = subprocess.Popen(
@@ -269,7 +269,7 @@ class Group:
         """Pick up the worker's pid from the monitor's proc file; True when newly learnt."""
         if rank.pid is not None:
             return False
-        proc = _read_json(self.dir / f"rank-{rank.rank}.proc.json")
+        proc = _read_json(self.dir / contract.rank_file(rank.rank, contract.PROC))
         if proc and proc.get("monitor_pid") == rank.monitor_pid:
             rank.pid, rank.create_time = proc.get("pid"), proc.get("create_time")
             return True
@@ -316,12 +316,12 @@ class Group:
         which records a runtime that could not start). `worker_pid`: the pid the exit record
         names, where the proc file gave none."""
         worker = rank.pid or worker_pid
-        return self.own_record(f"rank-{rank.rank}.error.json", {worker, rank.monitor_pid},
+        return self.own_record(contract.rank_file(rank.rank, contract.ERROR), {worker, rank.monitor_pid},
                                pid_unknown=worker is None)
 
     def tp_error(self, worker: Rank) -> dict | None:
         """tp-<k>.error.json, when this attempt's TP worker k wrote it."""
-        return self.own_record(f"tp-{worker.tp_rank}.error.json", {worker.pid})
+        return self.own_record(contract.tp_file(worker.tp_rank, contract.ERROR), {worker.pid})
 
     def rank_of(self, number: int) -> Rank:
         """A rank by its number: a driver rank, or a TP worker (world_size + tp_rank)."""
@@ -334,10 +334,9 @@ class Group:
     def _learn_tp(self) -> list[Rank]:
         """TP workers that registered since the last pass (tp-<k>.proc.json)."""
         new = []
-        for path in self.dir.glob("tp-*.proc.json"):
-            try:
-                k = int(path.name[3:-len(".proc.json")])
-            except ValueError:
+        for path in self.dir.glob(contract.TP_PROC_GLOB):
+            k = contract.tp_rank_of(path.name)
+            if k is None:
                 continue
             known = self.workers.get(k)
             proc = _read_json(path)
@@ -347,7 +346,7 @@ class Group:
                 continue
             d = proc.get("driver_rank") or 0
             driver = self.ranks[d] if isinstance(d, int) and 0 <= d < len(self.ranks) else None
-            worker = Rank(self.world_size + k, self.dir / f"tp-{k}.log",
+            worker = Rank(self.world_size + k, self.dir / contract.tp_file(k, contract.LOG),
                           driver.monitor_pid if driver else 0, driver.monitor_create_time if driver else None,
                           None, proc["pid"], proc.get("create_time"), proc.get("device"),
                           role="tp-worker", tp_rank=k, started_at=proc.get("time"))
@@ -355,7 +354,7 @@ class Group:
             if driver is not None and driver.role is None:
                 driver.role = "driver"
             if self.splitter is None and driver is not None:
-                self.splitter = LogSplitter(driver.log_path, self.dir / f"rank-{driver.rank}.split.json")
+                self.splitter = LogSplitter(driver.log_path, self.dir / contract.rank_file(driver.rank, contract.SPLIT))
             new.append(worker)
         return new
 
@@ -405,7 +404,7 @@ class Group:
         for k, w in self.workers.items():
             if w.pid == pid:
                 return k
-        for path in self.dir.glob("tp-*.proc.json"):
+        for path in self.dir.glob(contract.TP_PROC_GLOB):
             proc = _read_json(path) or {}
             if proc.get("pid") == pid:
                 return proc.get("tp_rank")
@@ -473,7 +472,7 @@ class Group:
         return learnt, exits
 
     def _settle(self, rank: Rank, monitor_rc: int | None) -> RankExit:
-        record = self.own_record(f"rank-{rank.rank}.exit.json", {rank.pid}, pid_unknown=rank.pid is None)
+        record = self.own_record(contract.rank_file(rank.rank, contract.EXIT), {rank.pid}, pid_unknown=rank.pid is None)
         error = self.rank_error(rank, (record or {}).get("pid"))
         now = time.time()
         if record is not None:
@@ -638,20 +637,21 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-def describe_failure(group: Group, ex: RankExit, host: str) -> dict:
+def describe_failure(group: Group, ex: RankExit, host: str) -> contract.ErrorRecord:
     """The error record of one failed rank. Never empty: an exception keeps its type and
     traceback even with an empty message; a signal death names the signal."""
     rank = group.rank_of(ex.rank)
     tp = {"role": "tp-worker", "tp_rank": ex.tp_rank} if ex.tp_rank is not None else {}
     if ex.error is not None:
         e = ex.error
-        path = f"tp-{ex.tp_rank}.error.json" if ex.tp_rank is not None else f"rank-{ex.rank}.error.json"
-        return {
-            "rank": ex.rank, "pid": e.get("pid", ex.pid), "host": e.get("host", host),
-            "type": e.get("type") or "Exception", "message": e.get("message") or "",
-            "traceback": e.get("traceback") or log_tail(rank.log_path), "time_": float(e.get("time") or ex.time),
-            "source": "exception", "path": str(group.dir / path), **tp,
-        }
+        path = (contract.tp_file(ex.tp_rank, contract.ERROR) if ex.tp_rank is not None
+                else contract.rank_file(ex.rank, contract.ERROR))
+        return contract.ErrorRecord(
+            rank=ex.rank, pid=e.get("pid", ex.pid), host=e.get("host", host),
+            type=e.get("type") or "Exception", message=e.get("message") or "",
+            traceback=e.get("traceback") or log_tail(rank.log_path), time=float(e.get("time") or ex.time),
+            source="exception", path=str(group.dir / path), **tp,
+        )
     tail = log_tail(rank.log_path)
     if ex.tp_rank is not None:
         if ex.signal is not None:
@@ -660,10 +660,10 @@ def describe_failure(group: Group, ex: RankExit, host: str) -> dict:
             kind, how = "ExitCode", f"exited with code {ex.exit_code}"
         else:
             kind, how = "WorkerDied", "ended (its exit status was not known yet when vLLM looked)"
-        return {"rank": ex.rank, "pid": ex.pid, "host": host, "type": kind,
-                "message": f"TP rank {ex.tp_rank} (pid {ex.pid}) {how}: vLLM's executor reported that it died "
-                           "unexpectedly", "traceback": tail, "time_": ex.time, "source": "signal" if ex.signal else "exit",
-                "path": str(rank.log_path), **tp}
+        return contract.ErrorRecord(
+            rank=ex.rank, pid=ex.pid, host=host, type=kind,
+            message=f"TP rank {ex.tp_rank} (pid {ex.pid}) {how}: vLLM's executor reported that it died unexpectedly",
+            traceback=tail, time=ex.time, source="signal" if ex.signal else "exit", path=str(rank.log_path), **tp)
     if ex.lost:
         kind, msg, source = "Lost", (
             f"rank {ex.rank} (pid {ex.pid}) ended while the daemon was down and left no exit record"
@@ -678,5 +678,5 @@ def describe_failure(group: Group, ex: RankExit, host: str) -> dict:
         kind, msg, source = "ExitCode", (
             f"rank {ex.rank} (pid {ex.pid}) exited with code {ex.exit_code} without a Python exception"
         ), "exit"
-    return {"rank": ex.rank, "pid": ex.pid, "host": host, "type": kind, "message": msg,
-            "traceback": tail, "time_": ex.time, "source": source, "path": str(rank.log_path)}
+    return contract.ErrorRecord(rank=ex.rank, pid=ex.pid, host=host, type=kind, message=msg, traceback=tail,
+                                time=ex.time, source=source, path=str(rank.log_path))

@@ -60,7 +60,7 @@ async def end(group, grace: float, recorded=lambda group: None) -> None:
         await group.teardown(grace, group.stuck["kind"])
 
 
-def record(group, host: str) -> dict | None:
+def record(group, host: str):
     """The root-cause error of a stuck group being settled; None when it was not stuck (or
     the user or the daemon's shutdown cancelled it, which says more)."""
     if group.stuck is None or group.cancel_reason is not None:

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import signal
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 
 def iso_utc(t: float | None) -> str | None:
     """A unix time as ISO 8601 in UTC (`2026-12-02T13:05:01+00:00`); None stays None."""
     if t is None:
         return None
-    return datetime.fromtimestamp(t, timezone.utc).isoformat()
+    return datetime.fromtimestamp(t, UTC).isoformat()
 
 
 def local_minute(t: float | None) -> str:

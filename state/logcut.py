@@ -23,6 +23,8 @@ import json
 import os
 from pathlib import Path
 
+from . import contract
+
 HEAD_SHARE = 0.10       # of the bound kept at the file's start, for good
 MIB = 1 << 20
 CHUNK = 8 << 20         # bytes a Tail reads at most per call, so a flood never stalls a reader
@@ -32,7 +34,7 @@ CHECK = 64              # bytes before the offset a reader remembers to recognis
 def sidecar(log: Path | str) -> Path:
     """Where a log's cut is recorded: rank-0.log -> rank-0.cut.json."""
     log = Path(log)
-    return log.with_name(log.stem + ".cut.json")
+    return log.with_name(f"{log.stem}.{contract.CUT}")
 
 
 def read_cut(log: Path | str) -> dict:

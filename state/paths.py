@@ -157,7 +157,7 @@ def socket_path(base: Path | None = None, create: bool = True) -> Path:
 
 def write_record(base: Path, **fields) -> None:
     """Replace the daemon's record atomically: a reader sees the old one or the new one."""
-    import tempfile     # here: every CLI command imports this module, and only the daemon writes
+    import tempfile  # here: every CLI command imports this module, and only the daemon writes
 
     fd, tmp = tempfile.mkstemp(dir=base, prefix=".daemon.json.")  # mkstemp makes it 0600
     try:

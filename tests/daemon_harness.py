@@ -60,7 +60,7 @@ class Daemon:
     def socket(self) -> Path:
         return paths.socket_path(self.home)
 
-    def start(self) -> "Daemon":
+    def start(self) -> Daemon:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "eyas.daemon.main", "--home", str(self.home), "--grace", str(self.grace)],
             env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

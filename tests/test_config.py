@@ -12,8 +12,20 @@ import pytest
 
 from eyas.workers import config
 from eyas.workers.config import (
-    ConfigError, DataConfig, DraftConfig, EvaluateConfig, ExtractConfig, ResourcesConfig, RunConfig, StageConfig,
-    TargetConfig, TrainConfig, default_layer_ids, load, num_hidden_layers, stage_settings,
+    ConfigError,
+    DataConfig,
+    DraftConfig,
+    EvaluateConfig,
+    ExtractConfig,
+    ResourcesConfig,
+    RunConfig,
+    StageConfig,
+    TargetConfig,
+    TrainConfig,
+    default_layer_ids,
+    load,
+    num_hidden_layers,
+    stage_settings,
     stage_world_size,
 )
 from eyas.workers.specs import DEFAULT_PIPELINE

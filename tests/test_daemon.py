@@ -12,8 +12,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from daemon_harness import Daemon, daemon, selftest_toml, short_tmp, wait_for  # noqa: F401 (fixture)
+
 from eyas.daemon.client import Client, DaemonError
 from eyas.state import paths
 
@@ -339,7 +339,8 @@ def test_another_uid_is_refused_and_garbage_leaves_the_daemon_serving(daemon):
         "except BrokenPipeError:\n    pass  # refused at once: the reply is already waiting\n"
         "print(s.makefile().readline())\n"
     )
-    import subprocess, sys as _sys
+    import subprocess
+    import sys as _sys
     out = subprocess.run([_sys.executable, "-c", code, str(sock)], capture_output=True, text=True, timeout=30)
     for p, mode in modes.items():
         os.chmod(p, mode)
@@ -405,7 +406,8 @@ def test_one_daemon_per_state_directory_and_stale_socket(tmp_path, monkeypatch):
     first = Daemon(home).start()
     try:
         second = Daemon(home)
-        import subprocess, sys as _sys
+        import subprocess
+        import sys as _sys
         out = subprocess.run([_sys.executable, "-m", "eyas.daemon.main", "--home", str(home)], env=second.env,
                              capture_output=True, text=True, timeout=30)
         assert out.returncode == 1 and "already runs for" in out.stderr

@@ -18,10 +18,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from daemon_harness import EYAS, Daemon, selftest_toml, short_tmp, wait_for
 
 from eyas.state import paths
-
-from daemon_harness import EYAS, Daemon, selftest_toml, short_tmp, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 

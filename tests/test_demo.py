@@ -14,8 +14,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from daemon_harness import short_tmp, wait_for
+
 from eyas.state import paths, queries, store
 
 EYAS = str(Path(sys.executable).with_name("eyas"))

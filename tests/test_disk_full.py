@@ -13,8 +13,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from daemon_harness import Daemon, selftest_toml, short_tmp, wait_for
+
 from eyas.daemon.client import DaemonError
 from eyas.state import paths
 
@@ -124,9 +124,10 @@ def test_a_full_state_directory_fails_the_attempt_with_enospc_and_starts_nothing
 
 
 async def test_the_tui_says_the_state_directory_is_full_while_it_is(small_home):
+    from tui_world import until
+
     from eyas.tui.app import EyasApp
     from eyas.tui.widgets.chrome import Banner, TopBar
-    from tui_world import until
 
     d = Daemon(small_home).start()
     try:

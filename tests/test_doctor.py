@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from daemon_harness import daemon, wait_for  # noqa: F401 - the fixture
+
 from eyas.workers import adapters, config, doctor, doctor_check, doctor_resources, doctor_versions
 
 EYAS = str(Path(sys.executable).parent / "eyas")

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from test_prepare import write_huge_line_dataset
+
 from eyas.workers import assets, doctor_data
 from eyas.workers.config import DataConfig
 from eyas.workers.dataset_reader import ARRAY_MAX_BYTES
-from test_prepare import write_huge_line_dataset
 
 CHAT = {"messages": [{"role": "user", "content": "Hi there."}, {"role": "assistant", "content": "Hello."}]}
 

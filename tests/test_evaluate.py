@@ -22,12 +22,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from train_pipeline import build_inputs, copy_inputs, progress_records, run_stage, summary
 
 from eyas.workers import eval_report
 from eyas.workers.config import ConfigError, validate
 from eyas.workers.stages import evaluate, train
 from eyas.workers.vllm_eval import EngineFailed, Spec, measure
-from train_pipeline import build_inputs, copy_inputs, progress_records, run_stage, summary
 
 K = 3
 MAX_TOKENS = 48
@@ -232,8 +232,9 @@ def test_a_failing_engine_names_its_cause(world, tmp_path):
 
 
 def test_prompt_files_in_every_form(world, tmp_path):
-    from eyas.workers import eval_prompts
     from transformers import AutoTokenizer
+
+    from eyas.workers import eval_prompts
 
     target = world["cfg"]["target"]["path"]
     tok = AutoTokenizer.from_pretrained(target)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from daemon_harness import daemon, wait_for  # noqa: F401 (fixture)
 from safetensors.torch import load_file
 
-from daemon_harness import daemon, wait_for  # noqa: F401 (fixture)
 from eyas.workers import adapters, assets, hf_target, hswriter
 from eyas.workers.capture import LayerCapture
 from eyas.workers.progress import ProgressWriter

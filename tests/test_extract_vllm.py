@@ -24,9 +24,9 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from daemon_harness import Daemon, short_tmp, wait_for
 from safetensors.torch import load_file, save_file
 
-from daemon_harness import Daemon, short_tmp, wait_for
 from eyas.daemon import logsplit
 from eyas.state import queries, schema, store
 from eyas.workers import adapters, assets, hswriter, vllm_backend, vllm_layout
@@ -527,13 +527,13 @@ def test_group_supervises_tp_workers_as_ranks_without_an_engine(tmp_path):
         assert [(e.tp_rank, e.error["type"]) for e in exits] == [(0, "AttributeError")]
         assert [(e.tp_rank, e.rank) for e in group.failures()] == [(0, 1), (1, 2)]
         rec = describe_failure(group, group.failures()[1], "host")
-        assert (rec["type"], rec["role"], rec["tp_rank"], rec["source"]) == ("SIGKILL", "tp-worker", 1, "signal")
-        assert rec["message"] == (f"TP rank 1 (pid {w1.pid}) was killed by SIGKILL (signal 9): vLLM's executor "
+        assert (rec.type, rec.role, rec.tp_rank, rec.source) == ("SIGKILL", "tp-worker", 1, "signal")
+        assert rec.message == (f"TP rank 1 (pid {w1.pid}) was killed by SIGKILL (signal 9): vLLM's executor "
                                   "reported that it died unexpectedly")
-        assert describe_failure(group, group.failures()[0], "host")["path"] == str(attempt_dir / "tp-0.error.json")
+        assert describe_failure(group, group.failures()[0], "host").path == str(attempt_dir / "tp-0.error.json")
         unknown = RankExit(2, w1.pid, None, None, died_at, tp_rank=1)
         Group._mark_unexpected(unknown, None)          # vLLM: "(exit code: None)"
-        assert unknown.failed and describe_failure(group, unknown, "host")["type"] == "WorkerDied"
+        assert unknown.failed and describe_failure(group, unknown, "host").type == "WorkerDied"
 
         # A restarted daemon re-adopts the workers from the store and resumes the split.
         store.upsert_rank(db, attempt_id, 0, monitor_pid=driver.pid, monitor_create_time=create_time(driver.pid),

@@ -9,8 +9,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from daemon_harness import Daemon, daemon, selftest_toml, short_tmp, wait_for  # noqa: F401 (fixture)
+
 from eyas.daemon import stall
 from eyas.workers import specs
 
@@ -136,7 +136,7 @@ def test_a_stall_names_the_last_heartbeat(tmp_path):
                  "asked": []}
 
     rec = stall.error_record(Group, "host")
-    assert rec["message"] == ("no rank wrote a log line or progress for 609 s (stages.extract.stall_timeout = 600); "
+    assert rec.message == ("no rank wrote a log line or progress for 609 s (stages.extract.stall_timeout = 600); "
                               "the last heartbeat was rank 0's 'load weights', 610 s before; "
                               "the live ranks' stacks follow")
 

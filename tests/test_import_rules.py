@@ -1,13 +1,13 @@
-"""The import rules of ARCHITECTURE.md, checked on the source.
-
-import-linter cannot see `eyas`, an implicit namespace package assembled by setuptools'
-package-dir mapping, so this walks every import statement (lazy ones inside functions
-too) with `ast` and checks the same contracts.
-"""
+"""The import rules: import-linter's contracts (pyproject.toml, run by `make lint`) shown to
+fail on a planted violation, and the finer rules they do not express (which few modules of
+eyas.workers the daemon may know, which of eyas.state the TUI may read), checked here by
+walking every import statement with `ast`, lazy ones inside functions too."""
 
 from __future__ import annotations
 
 import ast
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,9 +29,10 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def imports_of(path: Path) -> set[str]:
-    """Every module that `path` imports, with relative imports resolved."""
-    module = _module_name(path)
+def imports_of(path: Path, module: str | None = None) -> set[str]:
+    """Every module that `path` imports (as module `module`, by default the one its place in
+    the tree names), with relative imports resolved."""
+    module = module or _module_name(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -121,7 +122,8 @@ def test_workers_import_no_daemon_or_tui():
 def test_tui_uses_only_client_protocol_and_read_only_state():
     allowed_daemon = {"eyas.daemon", "eyas.daemon.client", "eyas.daemon.protocol"}
     allowed_state = {"eyas.state", "eyas.state.queries", "eyas.state.paths", "eyas.state.machine",
-                     "eyas.state.display", "eyas.state.logtime", "eyas.state.procs", "eyas.state.logcut"}
+                     "eyas.state.display", "eyas.state.logtime", "eyas.state.procs", "eyas.state.logcut",
+                     "eyas.state.contract"}
 
     def rule(n):
         if n.startswith("eyas.daemon") and n not in allowed_daemon and _is_real_module(n):
@@ -136,13 +138,38 @@ def test_tui_uses_only_client_protocol_and_read_only_state():
 
 def test_the_checker_sees_violations(tmp_path):
     """The rule walker must catch a lazy import inside a function; otherwise the tests above prove nothing."""
-    probe = ROOT / "daemon" / "_probe_import_rules.py"
+    probe = tmp_path / "_probe_import_rules.py"      # never inside the package tree
     probe.write_text("def f():\n    import torch\n    from ..workers import runtime\n")
-    try:
-        found = imports_of(probe)
-    finally:
-        probe.unlink()
+    found = imports_of(probe, "eyas.daemon._probe_import_rules")
     assert {"torch", "eyas.workers.runtime"} <= found
+
+
+def _lint_imports(tree: Path) -> subprocess.CompletedProcess:
+    """`make lint`'s import check (lint-imports, the contracts in pyproject.toml) on a copy of
+    the source under `tree`, found first on the path."""
+    return subprocess.run([str(Path(sys.executable).with_name("lint-imports")), "--no-cache"], cwd=tree,
+                          env={**os.environ, "PYTHONPATH": str(tree / "src")}, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_make_lint_fails_on_a_planted_forbidden_import(tmp_path):
+    """The daemon importing torch (lazily, inside a function) and the TUI importing the
+    supervisor each break a contract; the untouched copy keeps them all."""
+    src = tmp_path / "src" / "eyas"
+    for folder in FOLDERS:
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    clean = _lint_imports(tmp_path)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    with open(src / "daemon" / "core.py", "a") as f:
+        f.write("\n\ndef _planted():\n    import torch  # noqa: F401\n")
+    with open(src / "tui" / "app.py", "a") as f:
+        f.write("\n\nfrom eyas.daemon import supervisor  # noqa: E402, F401\n")
+    broken = _lint_imports(tmp_path)
+    assert broken.returncode != 0
+    assert "The daemon and the CLI load no engine and no TUI BROKEN" in broken.stdout, broken.stdout
+    assert "The TUI talks to the daemon only through the wire (client, protocol) BROKEN" in broken.stdout
+    assert "eyas.daemon.core -> torch" in broken.stdout and "eyas.tui.app -> eyas.daemon.supervisor" in broken.stdout
 
 
 @pytest.mark.parametrize("command", [["runs", "--json"], ["daemon", "status", "--json"], ["--help"]])

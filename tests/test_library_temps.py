@@ -12,9 +12,9 @@ from pathlib import Path
 
 import psutil
 import torch
+from test_extract_hf import run_stage, sha256s, token_rows, write_dataset
 
 from eyas.workers import assets, atomic, checkpoint
-from test_extract_hf import run_stage, sha256s, token_rows, write_dataset
 
 # A child that saves a 4 MB tensor with a 64 kB file size limit: the kernel kills it with
 # SIGXFSZ mid-write (Python ignores that signal by default, so it is reset first), and the

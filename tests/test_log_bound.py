@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from daemon_harness import EYAS, daemon, selftest_toml, wait_for  # noqa: F401 (fixture)
+
 from eyas.daemon.client import Client
 from eyas.daemon.logsplit import LogSplitter
 from eyas.state.logcut import MIB, Bound, Tail
@@ -135,11 +136,12 @@ def test_a_tail_goes_on_from_the_marker_after_a_cut_that_regrew_past_it(tmp_path
 
 
 async def test_the_logs_screen_following_a_log_that_gets_cut_shows_the_marker_and_goes_on(daemon):
+    from tui_world import until
+
     from eyas.tui.app import EyasApp
     from eyas.tui.screens.logs import LogsScreen
     from eyas.tui.screens.run import RunScreen
     from eyas.tui.widgets.logview import LogView
-    from tui_world import until
 
     run_id = daemon.submit(selftest_toml("tui-cut", ranks=1, log_max_mb=1, options={
         "lines_per_sec": 20_000, "duration": 10, "step_time": 0.1}))

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from daemon_harness import Daemon, short_tmp, wait_for
+
 from eyas.state import queries
 from eyas.workers import assets, checkpoint
 
@@ -154,8 +154,8 @@ def test_the_whole_pipeline_runs_on_two_ranks(daemon, pipeline):
 
 
 def test_the_trained_draft_reloads_into_speculators(pipeline):
-    from speculators.models.eagle3 import Eagle3DraftModel
     from safetensors.torch import load_file
+    from speculators.models.eagle3 import Eagle3DraftModel
 
     _, run, made = pipeline
     ckpt = Path({s["name"]: s for s in run["stages"]}["train"]["summary"]["checkpoint"])

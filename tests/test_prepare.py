@@ -11,8 +11,8 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pytest
-
 from daemon_harness import daemon  # noqa: F401 (fixture)
+
 from eyas.workers import assets
 from eyas.workers.chat import MaskedRenderer, TemplateMismatch, load_tokenizer
 from eyas.workers.config import DataConfig, DraftConfig, RunConfig, TargetConfig, TrainConfig

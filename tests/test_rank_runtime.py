@@ -24,8 +24,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from eyas.workers import atomic
 from eyas.daemon.progressfile import read_new
+from eyas.workers import atomic
 from eyas.workers.progress import ProgressWriter
 from eyas.workers.runtime import LOG_FORMAT
 
@@ -269,7 +269,7 @@ def test_process_group_kill_reaches_leftover_children(start_rank):
         assert os.getpgid(pid) == r.proc.pid
     os.killpg(r.proc.pid, signal.SIGKILL)  # what the daemon does after a rank group ends
     for pid in pids:
-        wait_for(lambda: gone(pid), f"pid {pid} to die")
+        wait_for(lambda pid=pid: gone(pid), f"pid {pid} to die")
 
 
 def test_resume_skips_steps_done_by_an_earlier_attempt(start_rank):

@@ -9,7 +9,6 @@ import signal
 import time
 
 import psutil
-
 from daemon_harness import daemon, selftest_toml, wait_for  # noqa: F401 (fixture)
 
 

@@ -4,7 +4,6 @@ record stays true when the database is deleted or restored while the daemon is d
 from __future__ import annotations
 
 import asyncio
-
 import json
 import subprocess
 import sys
@@ -12,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from daemon_harness import daemon, selftest_toml, wait_for  # noqa: F401 (fixture)
+
 from eyas.daemon import core as daemon_core
 from eyas.daemon import straggler
 from eyas.daemon.supervisor import Group, Rank
@@ -191,6 +190,7 @@ def test_recovery_reads_only_the_rank_s_own_error_file(tmp_path):
 
 def test_runs_recorded_before_runs_had_folders_keep_the_old_layout(tmp_path):
     import sqlite_utils
+
     from eyas.state import schema
 
     db = sqlite_utils.Database(tmp_path / "eyas.db")

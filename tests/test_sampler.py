@@ -17,9 +17,9 @@ import psutil
 import pynvml
 import pytest
 
-from eyas.workers.nvml import FAKE_ENV, GpuProbe, JsonFakeNvml, load_nvml
 from eyas.daemon.progressfile import read_new
 from eyas.daemon.sampler import RankRef, Sampler
+from eyas.workers.nvml import FAKE_ENV, GpuProbe, JsonFakeNvml, load_nvml
 
 DEADLINE_S = 30.0  # generous: the machine has 2 cores shared with other test runs
 

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import psutil
-
 from daemon_harness import daemon, selftest_toml, wait_for  # noqa: F401 (fixture)
+
 from eyas.state import paths
 
 LOCK_S = 45.0
@@ -100,9 +100,10 @@ def test_a_locked_store_stalls_neither_status_nor_teardown_and_the_times_stay_re
 
 
 async def test_the_tui_says_the_store_is_busy_while_it_is(daemon):
+    from tui_world import until
+
     from eyas.tui.app import EyasApp
     from eyas.tui.widgets.chrome import Banner, TopBar
-    from tui_world import until
 
     run_id = daemon.submit(selftest_toml("busy", ranks=1, options={"steps": 5000, "step_time": 0.02}))
     wait_for(lambda: (r := daemon.ranks(run_id)) and r[0]["pid"], 30, what="the rank")

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from train_pipeline import build_inputs, context, copy_inputs, progress_records, run_stage, summary
 
 from eyas.workers import checkpoint, train_data
 from eyas.workers.stages import train
-from train_pipeline import build_inputs, context, copy_inputs, progress_records, run_stage, summary
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ import os
 
 import pytest
 import torch
+from train_pipeline import build_inputs, copy_inputs, run_stage, summary, vllm_generate
 
 from eyas.workers.stages import train
-from train_pipeline import build_inputs, copy_inputs, run_stage, summary, vllm_generate
 
 
 @pytest.fixture(scope="module")

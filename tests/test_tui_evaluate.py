@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-
 import tui_world as world
+from tui_world import shows
+
 from eyas.state import paths, store
 from eyas.tui.app import EyasApp
 from eyas.tui.screens.run import RunScreen
-from tui_world import shows
 
 SUMMARY = {
     "acceptance_length": 2.4567, "baseline_acceptance_length": 1.0123, "per_position": [0.71, 0.46, 0.2867],

@@ -11,7 +11,9 @@ import time
 
 import psutil
 import pytest
+import tui_world as world
 from textual.widgets import DataTable
+from tui_world import by_column, cell_texts, screen_text, shows, until
 
 from eyas.state import paths, store
 from eyas.tui.app import EyasApp
@@ -22,8 +24,6 @@ from eyas.tui.screens.run import RunScreen
 from eyas.tui.widgets.chrome import Banner
 from eyas.tui.widgets.logview import LogView
 from eyas.tui.widgets.modals import ConfirmScreen, SubmitScreen
-import tui_world as world
-from tui_world import by_column, cell_texts, screen_text, shows, until
 
 
 @pytest.fixture
@@ -126,7 +126,7 @@ async def test_errors_screen_root_cause_first_others_collapsed_and_copy(home):
     async with app.run_test(size=(220, 48)) as pilot:  # wide: tmp_path makes the error file's path long
         await until(pilot, lambda: isinstance(app.screen, RunScreen), what="run 2")
         await pilot.press("e")
-        screen = await until(pilot, lambda: isinstance(app.screen, ErrorsScreen) and app.screen, what="errors")
+        await until(pilot, lambda: isinstance(app.screen, ErrorsScreen) and app.screen, what="errors")
         await shows(pilot, app, "Root cause: train attempt 1")
         text = await shows(pilot, app, "▶ rank 3 · RuntimeError: NCCL communicator was aborted on rank 3.")
         assert "rank 1 · pid 40101 · on gpu-box · 2026-12-02 13:37:58 · from exception" in text
@@ -250,7 +250,7 @@ async def test_logs_merged_view_wrap_rank_switch_and_highlight_mode(home):
         rows = await until(pilot, lambda: view.model.merged and view.visible_rows(), what="all ranks")
         assert view.model.total() == 8 * 240
         assert [r.rank for r in rows[-8:]] == list(range(8))  # the last batch of each rank, by time
-        assert all(f"batch 239/400" in r.text for r in rows[-8:])
+        assert all("batch 239/400" in r.text for r in rows[-8:])
         await shows(pilot, app, "r7  2026-12-02")
         await pilot.press("]")  # back to one rank: the next one
         await until(pilot, lambda: not view.model.merged and screen.rank == 1, what="rank 1")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import re
 
-from textual.widgets import DataTable, Input
-
 from daemon_harness import daemon, selftest_toml  # noqa: F401 (fixture)
+from textual.widgets import DataTable, Input
+from tui_world import cell_texts, screen_text, shows, until
+
 from eyas.tui.app import EyasApp
 from eyas.tui.screens.errors import ErrorsScreen
 from eyas.tui.screens.logs import LogsScreen
@@ -15,7 +16,6 @@ from eyas.tui.screens.runs import RunsScreen
 from eyas.tui.widgets.chrome import Banner
 from eyas.tui.widgets.logview import LogView
 from eyas.tui.widgets.modals import ConfirmScreen, SubmitScreen
-from tui_world import cell_texts, screen_text, shows, until
 
 SIZE = (120, 40)
 

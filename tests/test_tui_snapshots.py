@@ -8,15 +8,15 @@ every time. Update with `pytest tests/test_tui_snapshots.py --snapshot-update`, 
 from __future__ import annotations
 
 import pytest
-
 import tui_world as world
+from tui_world import until
+
 from eyas.tui.app import EyasApp
 from eyas.tui.screens.errors import ErrorsScreen
 from eyas.tui.screens.logs import LogsScreen
 from eyas.tui.screens.ranks import RanksScreen
 from eyas.tui.screens.run import RunScreen
 from eyas.tui.widgets.logview import LogView
-from tui_world import until
 
 SIZES = [(80, 24), (160, 48)]
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterable
 
 from textual.app import App, SystemCommand
 from textual.binding import Binding
@@ -132,7 +132,7 @@ async def _wait(event, timeout: float) -> None:
 
     try:
         await asyncio.wait_for(event.wait(), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise TimeoutError from None
 
 
@@ -141,7 +141,7 @@ def command(args) -> int:
     home = paths.state_dir()
     probe = History(home)
     try:
-        probe.db  # a store newer than this eyas is refused here, in one line
+        _ = probe.db  # a store newer than this eyas is refused here, in one line
         if args.run is not None and probe.run(args.run) is None:
             print(f"eyas tui: no run {args.run} (see `eyas runs`)", file=sys.stderr)
             return 1

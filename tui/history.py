@@ -8,8 +8,9 @@ submitted) reads as empty, and is looked for again on the next call.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from eyas.state import paths, queries
 

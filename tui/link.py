@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from eyas.daemon.client import AsyncClient, DaemonError, DaemonNotRunning
 from eyas.daemon.protocol import Event
@@ -98,7 +99,7 @@ class DaemonLink:
                     self._queue(ev)
             except DaemonNotRunning as exc:
                 reason = str(exc)
-            except (OSError, DaemonError, TimeoutError, asyncio.TimeoutError) as exc:
+            except (OSError, DaemonError, TimeoutError) as exc:
                 reason = f"{type(exc).__name__}: {exc}"
             finally:
                 self.client = None
@@ -113,7 +114,7 @@ class DaemonLink:
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), delay)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             delay = min(delay * 2, self.max_backoff)
 

@@ -158,7 +158,7 @@ class MergedModel:
                 return lo
             if sum(hi) <= row:
                 return hi
-            widths = [h - l for h, l in zip(hi, lo)]
+            widths = [h - low for h, low in zip(hi, lo)]
             if sum(widths) <= small:
                 return self._step(lo, need, hi)
             r = max(range(len(widths)), key=widths.__getitem__)

@@ -39,6 +39,7 @@ class Dist:
         self._models: list[weakref.ref] = []
         if ctx.world_size > 1:
             import torch.distributed as dist
+
             # Imported before the group exists: its functions take `group=group.WORLD` as a default,
             # evaluated at import, and DDP imports it lazily (through torch.distributed._shard) once
             # the group exists. That default would then own the group for the life of the process,

@@ -104,7 +104,7 @@ def check(needs_vllm: bool, lookup=importlib.metadata.version) -> list[Check]:
                               f"install a tested {package} release, or run the doctor again after you test it",
                               version=version, dist=dist))
     versions = {p: v for p, (_, v) in found.items() if v is not None}
-    for package, (dist, version) in found.items():
+    for _package, (dist, version) in found.items():
         if version is None:
             continue
         for other, spec in PINS.get((dist, minor(version)), {}).items():

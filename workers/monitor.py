@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 
+from eyas.state import contract
 from eyas.state.logcut import MIB, Bound
 from eyas.workers import atomic
 
@@ -92,10 +93,6 @@ class _Forwarder:
 CHECK_S = 0.5
 
 
-# The rank log's bound in MiB, resolved by the daemon from stages.<name>.log_max_mb (unset or
-# 0: none, as for a monitor run by hand).
-LOG_MAX_MB_ENV = "EYAS_LOG_MAX_MB"
-
 
 class LogBound(threading.Thread):
     """Cuts the rank's log (state/logcut.py) whenever it passes the bound.
@@ -132,12 +129,17 @@ class LogBound(threading.Thread):
 
 
 def main() -> int:
-    rank = os.environ.get("RANK") or "0"
-    if not os.environ.get("EYAS_ATTEMPT_DIR"):
-        print("eyas: EYAS_ATTEMPT_DIR is not set: the rank monitor runs under the daemon, "
+    raw = os.environ.get(contract.RANK) or "0"
+    rank = int(raw) if raw.isdigit() else 0
+    if not os.environ.get(contract.ATTEMPT_DIR):
+        print(f"eyas: {contract.ATTEMPT_DIR} is not set: the rank monitor runs under the daemon, "
               "which sets it to the attempt's directory", file=sys.stderr)
         return 2
-    attempt_dir = Path(os.environ["EYAS_ATTEMPT_DIR"])
+    attempt_dir = Path(os.environ[contract.ATTEMPT_DIR])
+
+    def file(kind: str) -> Path:
+        return attempt_dir / contract.rank_file(rank, kind)
+
     forwarder = _Forwarder()
     # Handlers go in before the spawn, so a signal in between is not lost.
     for sig in FORWARDED:
@@ -149,20 +151,19 @@ def main() -> int:
         # Rare (a broken interpreter path): record it like any rank error, so it is not silent.
         from eyas.workers import runtime
 
-        record = runtime.error_record(exc, rank=runtime.int_or_none(rank),
-                                      stage=os.environ.get("EYAS_STAGE"),
-                                      attempt=runtime.int_or_none(os.environ.get("EYAS_ATTEMPT")))
-        runtime.write_error(attempt_dir / f"rank-{rank}.error.json", record)
+        record = runtime.error_record(exc, rank=rank, stage=os.environ.get(contract.STAGE),
+                                      attempt=runtime.int_or_none(os.environ.get(contract.ATTEMPT)))
+        runtime.write_error(file(contract.ERROR), record)
         print(f"eyas: rank {rank}: could not start the rank runtime: {exc}", file=sys.stderr, flush=True)
         return 1
     forwarder.attach(proc)
     try:
-        mb = float(os.environ.get(LOG_MAX_MB_ENV) or 0)
+        mb = float(os.environ.get(contract.LOG_MAX_MB) or 0)
     except ValueError:
         mb = 0.0
-    LogBound(attempt_dir / f"rank-{rank}.log", os.environ.get("EYAS_STAGE"), mb).start()
+    LogBound(file(contract.LOG), os.environ.get(contract.STAGE), mb).start()
     try:
-        atomic.write_json(attempt_dir / f"rank-{rank}.proc.json", {
+        atomic.write_json(file(contract.PROC), {
             "monitor_pid": os.getpid(),
             "monitor_create_time": psutil.Process().create_time(),
             "pid": proc.pid,
@@ -170,7 +171,7 @@ def main() -> int:
         })
     except (OSError, psutil.Error) as exc:
         # Keep supervising: the exit file is still worth having.
-        print(f"eyas: rank {rank}: could not write rank-{rank}.proc.json: {exc}", file=sys.stderr, flush=True)
+        print(f"eyas: rank {rank}: could not write {file(contract.PROC).name}: {exc}", file=sys.stderr, flush=True)
 
     # os.waitpid rather than proc.wait(): only the raw status tells a core dump. It is
     # retried on EINTR (PEP 475), so forwarded signals do not end the wait.
@@ -184,9 +185,9 @@ def main() -> int:
         core = " (core dumped)" if record["core_dumped"] else ""
         print(f"eyas: rank {rank} (pid {proc.pid}) was killed by {record['signal_name']}{core}", flush=True)
     try:
-        atomic.write_json(attempt_dir / f"rank-{rank}.exit.json", record)
+        atomic.write_json(file(contract.EXIT), record)
     except OSError as exc:
-        print(f"eyas: rank {rank}: could not write rank-{rank}.exit.json: {exc}", file=sys.stderr, flush=True)
+        print(f"eyas: rank {rank}: could not write {file(contract.EXIT).name}: {exc}", file=sys.stderr, flush=True)
     if record["signal"] is not None:
         return 128 + record["signal"]
     return record["exit_code"]

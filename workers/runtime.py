@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eyas.state import contract
 from eyas.workers import atomic
 from eyas.workers.progress import ProgressWriter
 
@@ -60,14 +61,14 @@ class RankContext:
     def stage_dir(self) -> Path:
         """<output_dir>/<stage>: where the stage's results go, shared by all attempts."""
         if self.output_dir is None:
-            raise ContractError("EYAS_OUTPUT_DIR is not set: set it to the run's output directory")
+            raise ContractError(f"{contract.OUTPUT_DIR} is not set: set it to the run's output directory")
         path = self.output_dir / self.stage
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def file(self, suffix: str) -> Path:
-        """This rank's file in the attempt dir, e.g. file("error.json") -> rank-0.error.json."""
-        return self.attempt_dir / f"rank-{self.rank}.{suffix}"
+    def file(self, kind: str) -> Path:
+        """This rank's file of the attempt, e.g. file(contract.ERROR) -> rank-0.error.json."""
+        return self.attempt_dir / contract.rank_file(self.rank, kind)
 
 
 def _int_env(env: dict[str, str], name: str, default: int | None = None) -> int:
@@ -85,34 +86,34 @@ def _int_env(env: dict[str, str], name: str, default: int | None = None) -> int:
 def context_from_env(env: dict[str, str] | None = None) -> RankContext:
     """Build the RankContext of this rank from the environment (the rank contract)."""
     env = dict(os.environ if env is None else env)
-    stage = env.get("EYAS_STAGE")
+    stage = env.get(contract.STAGE)
     if not stage:
-        raise ContractError("EYAS_STAGE is not set: set it to the name of the stage to run")
-    if not env.get("EYAS_ATTEMPT_DIR"):
-        raise ContractError("EYAS_ATTEMPT_DIR is not set: set it to the attempt's directory")
-    rank = _int_env(env, "RANK", 0)
-    run_id = env.get("EYAS_RUN_ID")
+        raise ContractError(f"{contract.STAGE} is not set: set it to the name of the stage to run")
+    if not env.get(contract.ATTEMPT_DIR):
+        raise ContractError(f"{contract.ATTEMPT_DIR} is not set: set it to the attempt's directory")
+    rank = _int_env(env, contract.RANK, 0)
+    run_id = env.get(contract.RUN_ID)
     ctx = RankContext(
         rank=rank,
-        world_size=_int_env(env, "WORLD_SIZE", 1),
-        local_rank=_int_env(env, "LOCAL_RANK", rank),
-        master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
-        master_port=_int_env(env, "MASTER_PORT", 29500),  # torch.distributed's default
-        run_id=_int_env(env, "EYAS_RUN_ID") if run_id else None,
+        world_size=_int_env(env, contract.WORLD_SIZE, 1),
+        local_rank=_int_env(env, contract.LOCAL_RANK, rank),
+        master_addr=env.get(contract.MASTER_ADDR) or "127.0.0.1",
+        master_port=_int_env(env, contract.MASTER_PORT, 29500),  # torch.distributed's default
+        run_id=_int_env(env, contract.RUN_ID) if run_id else None,
         stage=stage,
-        attempt=_int_env(env, "EYAS_ATTEMPT", 1),
-        attempt_dir=Path(env["EYAS_ATTEMPT_DIR"]),
-        output_dir=Path(env["EYAS_OUTPUT_DIR"]) if env.get("EYAS_OUTPUT_DIR") else None,
+        attempt=_int_env(env, contract.ATTEMPT, 1),
+        attempt_dir=Path(env[contract.ATTEMPT_DIR]),
+        output_dir=Path(env[contract.OUTPUT_DIR]) if env.get(contract.OUTPUT_DIR) else None,
     )
-    ctx.progress = ProgressWriter(ctx.file("progress.jsonl"))
-    config_path = env.get("EYAS_CONFIG")
+    ctx.progress = ProgressWriter(ctx.file(contract.PROGRESS))
+    config_path = env.get(contract.CONFIG)
     if config_path:
         try:
             ctx.config = json.loads(Path(config_path).read_text())
         except (OSError, ValueError) as exc:
-            raise ContractError(f"EYAS_CONFIG={config_path}: cannot read it as JSON ({exc})") from exc
+            raise ContractError(f"{contract.CONFIG}={config_path}: cannot read it as JSON ({exc})") from exc
         if not isinstance(ctx.config, dict):
-            raise ContractError(f"EYAS_CONFIG={config_path}: holds no JSON object")
+            raise ContractError(f"{contract.CONFIG}={config_path}: holds no JSON object")
         stage_cfg = (ctx.config.get("stages") or {}).get(stage) or {}
         ctx.options = dict(stage_cfg.get("options") or {})
     return ctx
@@ -181,7 +182,7 @@ def main(env: dict[str, str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format=LOG_FORMAT)
     environ = dict(os.environ if env is None else env)
-    rank = int_or_none(environ.get("RANK"))
+    rank = int_or_none(environ.get(contract.RANK))
     ctx: RankContext | None = None
     try:
         ctx = context_from_env(environ)
@@ -192,14 +193,14 @@ def main(env: dict[str, str] | None = None) -> int:
     except BaseException as exc:  # noqa: BLE001 - the point is to record everything
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             return 0
-        attempt_dir = environ.get("EYAS_ATTEMPT_DIR")
+        attempt_dir = environ.get(contract.ATTEMPT_DIR)
         if ctx is not None:  # its defaults (attempt 1...) say what really ran
             record = error_record(exc, rank=ctx.rank, stage=ctx.stage, attempt=ctx.attempt)
         else:
-            record = error_record(exc, rank=rank, stage=environ.get("EYAS_STAGE"),
-                                  attempt=int_or_none(environ.get("EYAS_ATTEMPT")))
+            record = error_record(exc, rank=rank, stage=environ.get(contract.STAGE),
+                                  attempt=int_or_none(environ.get(contract.ATTEMPT)))
         if attempt_dir:
-            write_error(rank_file(environ, "error.json"), record)
+            write_error(rank_file(environ, contract.ERROR), record)
         # Only after the file exists: whoever reads the log's traceback finds the record too.
         print(record["traceback"], end="", file=sys.stderr, flush=True)
         return _exit_code(exc)
@@ -211,10 +212,10 @@ def main(env: dict[str, str] | None = None) -> int:
                 print(f"eyas: could not write progress: {exc}", file=sys.stderr, flush=True)
 
 
-def rank_file(environ, suffix: str) -> Path:
-    """rank-<r>.<suffix> in the attempt dir, named from the raw RANK as the monitor names its
-    files (a RankContext may not exist when this is needed)."""
-    return Path(environ["EYAS_ATTEMPT_DIR"]) / f"rank-{environ.get('RANK') or 0}.{suffix}"
+def rank_file(environ, kind: str) -> Path:
+    """This rank's file of the attempt (state/contract.py), named from the raw RANK as the
+    monitor names its files (a RankContext may not exist when this is needed)."""
+    return Path(environ[contract.ATTEMPT_DIR]) / contract.rank_file(int_or_none(environ.get(contract.RANK)) or 0, kind)
 
 
 def int_or_none(raw: str | None) -> int | None:
@@ -238,13 +239,13 @@ def exit_rank(code: int) -> None:
     destructor; the daemon's straggler rule (stages.<name>.exit_timeout) still bounds it.
     """
     environ = os.environ
-    if environ.get("EYAS_ATTEMPT_DIR"):
-        path = rank_file(environ, "done.json")
+    if environ.get(contract.ATTEMPT_DIR):
+        path = rank_file(environ, contract.DONE)
         try:
             atomic.write_json(path, {"pid": os.getpid(), "time": time.time(), "exit_code": code})
         except OSError as exc:
             print(f"eyas: could not write {path}: {exc}", file=sys.stderr, flush=True)
-    finalize = environ.get("EYAS_RANK_FINALIZE") == "1"
+    finalize = environ.get(contract.RANK_FINALIZE) == "1"
     log.info("rank done: exit code %d%s", code,
              "; finalising the interpreter (EYAS_RANK_FINALIZE=1)" if finalize else "")
     logging.shutdown()      # flushes every handler (the stages log through the root logger's)

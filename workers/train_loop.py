@@ -85,8 +85,11 @@ class Settings:
 def make_scheduler(optimizer, kind: str, warmup: int, total: int):
     """Linear warmup to the base lr over `warmup` steps, then decay to 0 at `total` (linear or
     cosine, transformers' schedules as speculators uses them) or stay (constant)."""
-    from transformers import (get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup,
-                              get_linear_schedule_with_warmup)
+    from transformers import (
+        get_constant_schedule_with_warmup,
+        get_cosine_schedule_with_warmup,
+        get_linear_schedule_with_warmup,
+    )
 
     warmup = min(warmup, max(total - 1, 0))
     if kind == "linear":

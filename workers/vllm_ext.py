@@ -42,6 +42,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from eyas.state import contract
 from eyas.workers import atomic
 
 log = logging.getLogger("eyas.vllm_ext")
@@ -55,7 +56,7 @@ _lock = threading.Lock()
 
 
 def attempt_dir() -> Path | None:
-    raw = os.environ.get("EYAS_ATTEMPT_DIR")
+    raw = os.environ.get(contract.ATTEMPT_DIR)
     return Path(raw) if raw else None
 
 
@@ -80,12 +81,12 @@ def register(tp_rank: int, rank: int | None = None, device: str | None = None) -
     record = {
         "tp_rank": tp_rank, "rank": tp_rank if rank is None else rank, "pid": os.getpid(),
         "create_time": psutil.Process().create_time(), "device": device or _device(tp_rank),
-        "host": socket.gethostname(), "driver_rank": _int(os.environ.get("RANK")), "time": time.time(),
+        "host": socket.gethostname(), "driver_rank": _int(os.environ.get(contract.RANK)), "time": time.time(),
     }
     try:
-        atomic.write_json(directory / f"tp-{tp_rank}.proc.json", record)
+        atomic.write_json(directory / contract.tp_file(tp_rank, contract.PROC), record)
     except OSError as exc:
-        print(f"eyas: TP rank {tp_rank}: could not write tp-{tp_rank}.proc.json: {exc}", file=sys.stderr, flush=True)
+        print(f"eyas: TP rank {tp_rank}: could not write {contract.tp_file(tp_rank, contract.PROC)}: {exc}", file=sys.stderr, flush=True)
     if first:
         _install_hooks(tp_rank)
 
@@ -118,11 +119,11 @@ def record_error(exc: BaseException, where: str = "") -> None:
         _state["error_written"] = True
     from eyas.workers import runtime
 
-    record = runtime.error_record(exc, rank=None, stage=os.environ.get("EYAS_STAGE"),
-                                  attempt=_int(os.environ.get("EYAS_ATTEMPT")))
+    record = runtime.error_record(exc, rank=None, stage=os.environ.get(contract.STAGE),
+                                  attempt=_int(os.environ.get(contract.ATTEMPT)))
     record.update(traceback=_format(exc), tp_rank=tp_rank, role="tp-worker",
-                  driver_rank=_int(os.environ.get("RANK")), where=where)
-    runtime.write_error(directory / f"tp-{tp_rank}.error.json", record)
+                  driver_rank=_int(os.environ.get(contract.RANK)), where=where)
+    runtime.write_error(directory / contract.tp_file(tp_rank, contract.ERROR), record)
 
 
 class _ErrorHandler(logging.Handler):

@@ -111,7 +111,7 @@ def timed(argv: list[str], env: dict) -> float:
     walls = []
     for _ in range(REPEAT):
         t = time.perf_counter()
-        p = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p = subprocess.run(argv, env=env, capture_output=True)
         walls.append(time.perf_counter() - t)
         if p.returncode != 0:
             sys.exit(f"{' '.join(argv)} failed ({p.returncode}): {p.stderr.decode()[-500:]}")

@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from daemon_harness import Daemon, bench_home  # noqa: E402
+
 from eyas.daemon.demo import DEMO_TOML, FIT_STEPS  # noqa: E402
 from eyas.state import queries  # noqa: E402
 

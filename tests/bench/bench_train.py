@@ -94,6 +94,7 @@ def bare(target: Path, out: Path, rank: int, world: int, port: int) -> dict:
     import torch
 
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
+    import numpy as np
     from datasets import load_from_disk
     from safetensors.torch import load_file
     from speculators.losses import resolve_loss_config
@@ -103,7 +104,6 @@ def bare(target: Path, out: Path, rank: int, world: int, port: int) -> dict:
     from speculators.train.data import CollateFn
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
     from transformers import get_linear_schedule_with_warmup
-    import numpy as np
 
     if world > 1:
         import torch.distributed as dist

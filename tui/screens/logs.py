@@ -18,6 +18,8 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import Input, Static
 
+from eyas.state import contract
+
 from .. import format as fmt
 from ..history import attempt_dir, pick_stage
 from ..live import Changes
@@ -116,14 +118,14 @@ class LogsScreen(EyasScreen):
         # Every rank's file, even one not written yet; other rows (TP workers that log
         # through their driver) only when they have a file of their own.
         ranks = set(range(attempt["world_size"] or 0)) | {
-            r["rank"] for r in attempt["ranks"] if (self.dir / f"rank-{r['rank']}.log").exists()}
+            r["rank"] for r in attempt["ranks"] if (self.dir / contract.rank_file(r["rank"], contract.LOG)).exists()}
         try:
             ranks |= {int(m.group(1)) for p in self.dir.iterdir() if (m := _RANK_FILE.fullmatch(p.name))}
         except OSError:
             pass
         if self.watcher is not None:
             self.watcher.stop()
-        self.files = {r: LogFile(self.dir / f"rank-{r}.log", r, start) for r in sorted(ranks)}
+        self.files = {r: LogFile(self.dir / contract.rank_file(r, contract.LOG), r, start) for r in sorted(ranks)}
         if self.rank not in self.files and self.files:
             self.rank = min(self.files)
         self._scans.clear()

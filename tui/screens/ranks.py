@@ -10,6 +10,8 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Static
 
+from eyas.state import contract
+
 from .. import format as fmt
 from ..history import attempt_dir
 from ..live import WINDOW_S, Changes
@@ -229,7 +231,7 @@ class RanksScreen(EyasScreen):
 
     def _create_time(self, attempt: dict, rank: int) -> float | None:
         try:
-            proc = json.loads((attempt_dir(attempt, self.app.history.home) / f"rank-{rank}.proc.json").read_text())
+            proc = json.loads((attempt_dir(attempt, self.app.history.home) / contract.rank_file(rank, contract.PROC)).read_text())
             return proc.get("create_time")
         except (OSError, ValueError):
             return None

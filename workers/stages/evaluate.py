@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eyas.state import contract
 from eyas.workers import atomic, eval_report
 from eyas.workers.vllm_eval import FIXED, Spec, measure_all
 
@@ -198,7 +199,7 @@ def main(ctx) -> None:
                     lossless=1.0 if summary["lossless"] else 0.0)
     atomic.write_json(stage_dir / RESULTS, {**summary, "prompt_token_ids": prompts, "rows": rows,
                                             "outputs_by_engine": {k: v["token_ids"] for k, v in results.items()}})
-    atomic.write_json(ctx.attempt_dir / "summary.json", summary)
+    atomic.write_json(ctx.attempt_dir / contract.SUMMARY, summary)
     log.info("evaluate: acceptance length %.3f with the trained draft, %.3f with the untrained baseline "
              "(per position %s vs %s); %.1f tok/s with the draft, %.1f without (x%.2f); lossless: %s",
              summary["acceptance_length"], summary["baseline_acceptance_length"],

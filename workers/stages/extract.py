@@ -36,9 +36,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from eyas.state import contract
 from eyas.workers import atomic, hswriter
-from eyas.workers.cpu_share import share_cpus
 from eyas.workers.config import default_layer_ids
+from eyas.workers.cpu_share import share_cpus
 
 log = logging.getLogger("eyas.extract")
 
@@ -221,7 +222,7 @@ def finish(ctx, settings: Settings, info: TargetInfo, layer_ids, lengths, hs_dir
     """Rank 0, once every rank is done: check the files, write data_config.json and summary.json."""
     _check_complete(hs_dir, len(lengths))
     atomic.write_json(settings.out_dir / DATA_CONFIG, data_config(info, settings, layer_ids, lengths, hs_dir, extra))
-    atomic.write_json(ctx.attempt_dir / "summary.json", {
+    atomic.write_json(ctx.attempt_dir / contract.SUMMARY, {
         "outputs": [str(hs_dir), str(settings.out_dir / DATA_CONFIG)],
         "samples": totals[0], "tokens": totals[1],
         "samples_computed": totals[2], "files_written": totals[3],

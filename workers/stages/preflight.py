@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from eyas.state import contract
 from eyas.workers import atomic, doctor_check
 from eyas.workers.config import RunConfig
 from eyas.workers.doctor import run_checks
@@ -31,6 +32,6 @@ def main(ctx) -> None:
     checks = run_checks(cfg, output_dir)
     for line in doctor_check.table(checks):
         log.info("%s", line)
-    atomic.write_json(ctx.attempt_dir / "summary.json", doctor_check.as_json(checks))
+    atomic.write_json(ctx.attempt_dir / contract.SUMMARY, doctor_check.as_json(checks))
     if doctor_check.exit_code(checks):
         raise PreflightFailed(doctor_check.failures_line(checks))

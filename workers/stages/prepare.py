@@ -25,8 +25,8 @@ crash mid-way leaves an earlier complete output untouched.
 
 from __future__ import annotations
 
-import functools
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -37,11 +37,21 @@ from typing import Any
 
 import numpy as np
 
+from eyas.state import contract
 from eyas.workers import atomic
 from eyas.workers.chat import MaskedRenderer, RenderError, TemplateMismatch, load_tokenizer
 from eyas.workers.config import DataConfig, RunConfig
-from eyas.workers.dataset_reader import (SKIP_REASONS, Chat, RawRow, RowError, count_rows, data_files,
-                                         normalize, read_rows, row_byte_limit)
+from eyas.workers.dataset_reader import (
+    SKIP_REASONS,
+    Chat,
+    RawRow,
+    RowError,
+    count_rows,
+    data_files,
+    normalize,
+    read_rows,
+    row_byte_limit,
+)
 from eyas.workers.target_vocab import target_vocab_size
 
 log = logging.getLogger("eyas.prepare")
@@ -68,7 +78,7 @@ def main(ctx) -> None:
             publish(stage_dir, tmp, freq, splits, summary)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    atomic.write_json(ctx.attempt_dir / "summary.json", summary)
+    atomic.write_json(ctx.attempt_dir / contract.SUMMARY, summary)
 
 
 class _Rows:

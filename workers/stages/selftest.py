@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, fields
 
+from eyas.state import contract
 from eyas.workers import atomic
 
 log = logging.getLogger("eyas.selftest")
@@ -110,7 +111,7 @@ def main(ctx) -> None:
         for step in range(start, steps):
             if will_fail and step == opts.fail_at_step:
                 if opts.summary_on_fail and ctx.rank == 0:
-                    atomic.write_json(ctx.attempt_dir / "summary.json", {"failed_at_step": step, "attempt": ctx.attempt})
+                    atomic.write_json(ctx.attempt_dir / contract.SUMMARY, {"failed_at_step": step, "attempt": ctx.attempt})
                 _fail(opts.fail, ctx, step)
             log.info("step %d/%d", step + 1, steps)
             if opts.lines_per_sec > 0:
@@ -265,7 +266,7 @@ def _fail(mode: str, ctx, step: int) -> None:
         # only the process group still finds it.
         out = subprocess.run(["sh", "-c", "sleep 300 </dev/null >/dev/null 2>&1 & echo $!"],
                              capture_output=True, text=True, check=True).stdout
-        atomic.write_json(ctx.file("children.json"),
+        atomic.write_json(ctx.file(contract.CHILDREN),
                           {"children": [k.pid for k in kids], "grandchildren": [int(out)]})
         raise RuntimeError("selftest failure")
     if mode == "hang":

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from eyas.state import contract
 from eyas.workers import atomic
 
 log = logging.getLogger("eyas.train")
@@ -111,4 +112,4 @@ def main(ctx) -> None:
     summary = Trainer(ctx, s).run()
     if ctx.rank == 0:
         log.info("train: done; draft at %s", summary["checkpoint"])
-        atomic.write_json(ctx.attempt_dir / "summary.json", summary)
+        atomic.write_json(ctx.attempt_dir / contract.SUMMARY, summary)

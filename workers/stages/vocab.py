@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from eyas.state import contract
 from eyas.workers import atomic
 from eyas.workers.config import RunConfig
 from eyas.workers.target_vocab import target_vocab_size
@@ -138,4 +139,4 @@ def main(ctx) -> None:
         "outputs": [str(d2t_path), str(t2d_path)],
     }
     log.info("vocab: %d of %d target tokens kept; they cover %.2f%% of the trainable tokens", n, v, 100 * coverage)
-    atomic.write_json(ctx.attempt_dir / "summary.json", summary)
+    atomic.write_json(ctx.attempt_dir / contract.SUMMARY, summary)
