@@ -12,7 +12,7 @@ from eyas.workers.config import ConfigError, RunConfig, load, num_hidden_layers,
 
 
 def layer_meaning(layer_id: int, n: int) -> str:
-    """What hidden state a layer id names (vLLM / speculators convention, ARCHITECTURE.md)."""
+    """What hidden state a layer id names (vLLM / speculators convention, docs/ARCHITECTURE.md)."""
     if layer_id == 0:
         return "embeddings"
     if layer_id == n:

@@ -1,6 +1,6 @@
 """Model-family adapters: where a target keeps its text decoder, and which ids it can serve.
 
-The layer-id convention (ARCHITECTURE.md): id i < N is the residual stream entering decoder
+The layer-id convention (docs/ARCHITECTURE.md): id i < N is the residual stream entering decoder
 layer i (id 0: the embeddings), id N (= num_hidden_layers) is the final pre-norm output, i.e.
 what enters the final norm. So every id is the *input* of one module: layer i, or the norm.
 An adapter says where those modules live; a `StreamTap` says how one backend's module inputs

@@ -4,7 +4,7 @@ One module builds them all from a seed, for the tests and for `eyas demo`:
 
 - a byte-level BPE tokenizer with a chat template that marks generation;
 - a tiny `DeepseekV3ForCausalLM` (MLA + MoE) and a tiny `LlamaForCausalLM`, in dimensions that
-  vLLM's CPU build also accepts (TOOLCHAIN.md: head_dim 64; kv_lora_rank + qk_rope_head_dim
+  vLLM's CPU build also accepts (docs/ARCHITECTURE.md, Engines on CPU: head_dim 64; kv_lora_rank + qk_rope_head_dim
   == 576; "topk_method": "noaux_tc" written into config.json);
 - a synthetic multi-turn chat dataset (ShareGPT form, with system turns and <think>
   reasoning), a few rows of it malformed on purpose.

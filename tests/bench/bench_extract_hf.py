@@ -108,7 +108,7 @@ def child(mode: str, target_dir: Path, data_dir: Path, out_dir: Path) -> dict:
                 token_ids = [rows[i]["input_ids"] for i in batch]
                 ids, mask = extract.pad_batch(token_ids, 0)
                 out = decoder.module(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=True)
-                # Every layer is held until here; the last entry is normed (see ARCHITECTURE.md),
+                # Every layer is held until here; the last entry is normed (see docs/ARCHITECTURE.md),
                 # kept as a stand-in so that the files are the same size as eyas's.
                 hidden = torch.stack([out.hidden_states[i] for i in LAYER_IDS], dim=2)
                 del out
