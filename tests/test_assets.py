@@ -11,6 +11,9 @@ from safetensors.torch import load_file
 
 from eyas.workers import assets
 
+# Builds models and starts engines: `pytest -m "not slow"` leaves it out.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):

@@ -18,6 +18,9 @@ from daemon_harness import short_tmp, wait_for
 
 from eyas.state import paths, queries, store
 
+# Builds models and starts engines: `pytest -m "not slow"` leaves it out.
+pytestmark = pytest.mark.slow
+
 EYAS = str(Path(sys.executable).with_name("eyas"))
 STAGES = ["prepare", "extract", "vocab", "train", "evaluate"]
 DEMO_ACCEPT_MARGIN = 0.25

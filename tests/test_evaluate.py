@@ -29,6 +29,9 @@ from eyas.workers.config import ConfigError, validate
 from eyas.workers.stages import evaluate, train
 from eyas.workers.vllm_eval import EngineFailed, Spec, measure
 
+# Builds models and starts engines: `pytest -m "not slow"` leaves it out.
+pytestmark = pytest.mark.slow
+
 K = 3
 MAX_TOKENS = 48
 # Measured on this fixture (seed 0, 30 validation prompts x 48 tokens, k = 3, float32; the same

@@ -23,6 +23,9 @@ from eyas.workers.progress import ProgressWriter
 from eyas.workers.runtime import RankContext
 from eyas.workers.stages import extract
 
+# Builds models and starts engines: `pytest -m "not slow"` leaves it out.
+pytestmark = pytest.mark.slow
+
 FAMILIES = ("llama", "deepseek_v3")
 
 

@@ -21,6 +21,9 @@ from daemon_harness import Daemon, short_tmp, wait_for
 from eyas.state import queries
 from eyas.workers import assets, checkpoint
 
+# Builds models and starts engines: `pytest -m "not slow"` leaves it out.
+pytestmark = pytest.mark.slow
+
 EYAS = str(Path(sys.executable).with_name("eyas"))
 STAGES = ["prepare", "extract", "vocab", "train", "evaluate"]
 

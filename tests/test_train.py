@@ -21,6 +21,9 @@ from train_pipeline import build_inputs, context, copy_inputs, progress_records,
 from eyas.workers import checkpoint, train_data
 from eyas.workers.stages import train
 
+# Builds models and starts engines: `pytest -m "not slow"` leaves it out.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def one_thread():

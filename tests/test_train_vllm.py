@@ -16,6 +16,9 @@ from train_pipeline import build_inputs, copy_inputs, run_stage, summary, vllm_g
 
 from eyas.workers.stages import train
 
+# Builds models and starts engines: `pytest -m "not slow"` leaves it out.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def llama_draft(tmp_path_factory):
