@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from eyas.workers.config import ConfigError, RunConfig, load, num_hidden_layers, stage_world_size
+from eyas.state.runconfig import ConfigError, RunConfig, load, num_hidden_layers, stage_world_size
 
 
 def layer_meaning(layer_id: int, n: int) -> str:

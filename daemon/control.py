@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from eyas.workers import config as run_config
+from eyas.state import runconfig as run_config
 
 from .client import Client, DaemonError, DaemonNotRunning
 

@@ -28,9 +28,8 @@ from typing import Any
 import psutil
 from sqlite_utils.db import NotFoundError
 
-from eyas.state import contract, machine, paths, store
-from eyas.workers import config as run_config
-from eyas.workers import specs
+from eyas.state import contract, machine, paths, specs, store
+from eyas.state import runconfig as run_config
 
 from . import diskfull, intent, oom, protocol, settle, stacks, watchdog
 from . import native as native_stacks

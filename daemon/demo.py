@@ -19,13 +19,14 @@ import sys
 import time
 from pathlib import Path
 
+import eyas.workers
 from eyas.state import paths
-from eyas.workers import config as run_config
+from eyas.state import runconfig as run_config
 
 from .client import Client, DaemonError, DaemonNotRunning
 
 # The demo's config is the commented example shipped with the package.
-DEMO_TOML = Path(run_config.__file__).parent / "examples" / "demo.toml"
+DEMO_TOML = Path(eyas.workers.__file__).parent / "examples" / "demo.toml"
 # The demo's target has its output head fitted to the chats (eyas.workers.assets.fit_to_chats),
 # so that its answers are something a draft can learn to predict.
 FIT_STEPS = 300

@@ -46,8 +46,7 @@ from pathlib import Path
 
 import psutil
 
-from eyas.state import contract, procs
-from eyas.workers import specs
+from eyas.state import contract, procs, specs
 
 from . import oom
 from .logsplit import LogSplitter

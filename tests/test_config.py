@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from eyas.workers import config
-from eyas.workers.config import (
+import eyas.workers
+from eyas.state import runconfig as config
+from eyas.state.runconfig import (
     ConfigError,
     DataConfig,
     DraftConfig,
@@ -25,12 +26,13 @@ from eyas.workers.config import (
     default_layer_ids,
     load,
     num_hidden_layers,
+    stage_options,
     stage_settings,
     stage_world_size,
 )
-from eyas.workers.specs import DEFAULT_PIPELINE
+from eyas.state.specs import DEFAULT_PIPELINE
 
-EXAMPLES = Path(config.__file__).parent / "examples"
+EXAMPLES = Path(eyas.workers.__file__).parent / "examples"
 # The console script of the venv running the tests (/work/main/.venv/bin/eyas here).
 EYAS = str(Path(sys.executable).parent / "eyas")
 
@@ -132,7 +134,7 @@ max_restarts = 2
 backoff = 0.5
 
 [stages.train]
-options = { note = "x", n = [1, 2] }
+options = { scheduler = "cosine", save_every = 50 }
 """
 
 
@@ -152,7 +154,7 @@ def test_full_config_loads_every_key_and_round_trips(run_dir):
                           grad_clip=0.5, noise_std=0.05, seed=7, strategy="fsdp"),
         evaluate=EvaluateConfig(tensor_parallel_size=2),    # extract's, when [evaluate] names none
         stages={"extract": StageConfig(max_restarts=2, backoff=0.5, ranks=1),
-                "train": StageConfig(options={"note": "x", "n": [1, 2]})},
+                "train": StageConfig(options={"scheduler": "cosine", "save_every": 50})},
     )
     d = cfg.to_dict()
     assert json.loads(json.dumps(d)) == d
@@ -163,7 +165,7 @@ def test_full_config_loads_every_key_and_round_trips(run_dir):
 
     assert [stage_world_size(cfg, s) for s in cfg.pipeline] == [1, 1, 1, 4]
     assert stage_settings(cfg, "extract") == (2, 0.5, {})
-    assert stage_settings(cfg, "train") == (0, 2.0, {"note": "x", "n": [1, 2]})
+    assert stage_settings(cfg, "train") == (0, 2.0, {"scheduler": "cosine", "save_every": 50})
     assert stage_settings(cfg, "prepare") == (0, 2.0, {})
 
 
@@ -230,12 +232,12 @@ ranks = 2
 ranks = 3
 max_restarts = 4
 backoff = 0
-options = { fail_at = 5, message = "boom" }
+options = { fail_at_step = 5, fail_attempts = [1, 2] }
 """)
     assert cfg.target is None and cfg.data is None
     assert cfg.extract.layer_ids is None
     assert stage_world_size(cfg, "selftest") == 3
-    assert stage_settings(cfg, "selftest") == (4, 0.0, {"fail_at": 5, "message": "boom"})
+    assert stage_settings(cfg, "selftest") == (4, 0.0, {"fail_at_step": 5, "fail_attempts": [1, 2]})
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -592,7 +594,7 @@ def test_the_demo_example_points_at_assets_beside_it():
 
 
 def test_config_check_imports_no_ml_stack():
-    code = ("import sys, eyas.daemon.configcheck, eyas.workers.config; "
+    code = ("import sys, eyas.daemon.configcheck, eyas.state.runconfig; "
             "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'textual') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
@@ -610,3 +612,66 @@ def test_default_draft_vocab_is_checked_only_when_a_draft_is_built(tmp_path):
     with pytest.raises(config.ConfigError) as err:
         config.load(cfg)
     assert err.value.errors == [f"{cfg}: draft.vocab_size: 32000 exceeds the target's vocabulary (512); use at most 512"]
+
+
+def test_stage_options_are_checked_with_the_config(big_run_dir):
+    """A stage's options fail `load` (so `eyas validate` and `eyas submit`), not the stage hours into a run."""
+    text = BASE + """
+[stages.train]
+options = { scheduler = "cosin", save_evry = 10, log_every = 0, ttt_step_loss_decay = "1" }
+[stages.evaluate]
+options = { vllm = { dtype = "half", max_num_seqs = 4 }, vlm = {} }
+[stages.extract]
+options = { vllm = 3, worker_extension = "nodots" }
+[stages.prepare]
+options = { x = 1 }
+"""
+    assert errors(text) == [
+        "run.toml: stages.train.options.save_evry: unknown key; did you mean 'stages.train.options.save_every'?",
+        "run.toml: stages.train.options.scheduler: unknown value 'cosin'; did you mean 'cosine'? "
+        "(one of: linear, cosine, constant)",
+        "run.toml: stages.train.options.log_every: 0 is out of range; use an integer >= 1",
+        "run.toml: stages.train.options.ttt_step_loss_decay: expected a number, got string '1'",
+        "run.toml: stages.evaluate.options.vlm: unknown key; did you mean 'stages.evaluate.options.vllm'?",
+        "run.toml: stages.evaluate.options.vllm: sets dtype, which eyas sets itself; remove it "
+        "(tensor_parallel_size: evaluate.tensor_parallel_size; dtype: target.dtype; "
+        "speculative_config: evaluate.num_speculative_tokens)",
+        "run.toml: stages.extract.options.vllm: expected a table, got integer 3; write it as { key = value, ... }",
+        "run.toml: stages.extract.options.worker_extension: 'nodots' is not a class name; "
+        'name it as "package.module.Class"',
+        "run.toml: stages.prepare.options.x: unknown key; prepare takes no options, so remove it",
+    ]
+    assert errors(BASE + '[stages.extract]\noptions = { vllm = { max_num_batched_tokens = 2048 }, worker_extention = "a.B" }\n') == [
+        "run.toml: stages.extract.options.worker_extention: unknown key; did you mean 'stages.extract.options.worker_extension'?",
+    ]
+
+
+def test_valid_stage_options_are_kept_as_written_and_read_with_their_defaults(big_run_dir):
+    cfg = loads(BASE + """
+[stages.train]
+options = { scheduler = "cosine", save_every = 100, attention = "sdpa", ttt_step_loss_decay = 1 }
+[stages.evaluate]
+options = { vllm = { gpu_memory_utilization = 0.8 } }
+[stages.extract]
+options = { vllm = { max_num_batched_tokens = 2048 }, worker_extension = "my_ext.MyExtension" }
+""")
+    train = stage_settings(cfg, "train")[2]
+    assert train == {"scheduler": "cosine", "save_every": 100, "attention": "sdpa", "ttt_step_loss_decay": 1}
+    opts = stage_options("train", train)
+    assert (opts.scheduler, opts.save_every, opts.log_every, opts.ttt_step_loss_decay) == ("cosine", 100, 1, 1.0)
+    assert stage_options("evaluate", stage_settings(cfg, "evaluate")[2]).vllm == {"gpu_memory_utilization": 0.8}
+    ext = stage_options("extract", stage_settings(cfg, "extract")[2])
+    assert (ext.vllm, ext.worker_extension) == ({"max_num_batched_tokens": 2048}, "my_ext.MyExtension")
+    assert stage_options("evaluate", {}).vllm == {} and stage_options("extract", {}).vllm is None
+    assert RunConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def test_eyas_validate_refuses_a_misspelt_stage_option(big_run_dir):
+    (big_run_dir / "run.toml").write_text(BASE + '[stages.train]\noptions = { scheduler = "cosin" }\n')
+    proc = subprocess.run([EYAS, "validate", "run.toml"], cwd=big_run_dir, capture_output=True, text=True,
+                          timeout=120)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.splitlines() == [
+        "run.toml: stages.train.options.scheduler: unknown value 'cosin'; did you mean 'cosine'? "
+        "(one of: linear, cosine, constant)",
+    ]

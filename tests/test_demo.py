@@ -67,7 +67,7 @@ def test_demo_runs_the_whole_pipeline_and_leaves_nothing_behind():
     assert "run 1 demo: succeeded" in text
     assert f"eyas --home {home} tui 1" in text and "eyas daemon stopped" in text
     run = _run(home)
-    # Validation puts eyas doctor's preflight checks first (workers/config.py).
+    # Validation puts eyas doctor's preflight checks first (state/runconfig.py).
     assert run["state"] == "succeeded" and [s["name"] for s in run["stages"]] in (STAGES, ["preflight", *STAGES])
     assert all(s["state"] == "succeeded" and s["attempts"] == 1 for s in run["stages"])
     stages = {s["name"]: s for s in run["stages"]}

@@ -8,15 +8,15 @@ from pathlib import Path
 
 from test_prepare import write_huge_line_dataset
 
+from eyas.state.runconfig import DataConfig
 from eyas.workers import assets, doctor_data
-from eyas.workers.config import DataConfig
 from eyas.workers.dataset_reader import ARRAY_MAX_BYTES
 
 CHAT = {"messages": [{"role": "user", "content": "Hi there."}, {"role": "assistant", "content": "Hello."}]}
 
 
 def run(path: Path, fmt: str = "auto", max_length: int = 256) -> dict[str, tuple[str, str, str]]:
-    checks = doctor_data.check(DataConfig(str(path), fmt, max_length))
+    checks = doctor_data.check(DataConfig(path=str(path), format=fmt, max_length=max_length))
     assert all(c.group == "data" for c in checks)
     return {c.name: (c.verdict, c.detail, c.fix) for c in checks}
 
@@ -65,7 +65,7 @@ def test_empty_binary_and_latin1_files(tmp_path):
     rows = [{"messages": [{"role": "user", "content": f"Où est le café n° {i} ?"},
                           {"role": "assistant", "content": "À gauche."}]} for i in range(3)]
     latin1.write_bytes("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("latin-1"))
-    found = doctor_data.check(DataConfig(str(latin1), "auto", 256))
+    found = doctor_data.check(DataConfig(path=str(latin1), format="auto", max_length=256))
     encoding = [c for c in found if "is not UTF-8" in c.detail]
     assert len(encoding) == 1 and encoding[0].verdict == "warn"
     assert "byte 0xf9 at offset 44 is not UTF-8 (Latin-1 or another legacy encoding?)" in encoding[0].detail

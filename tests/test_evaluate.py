@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 from train_pipeline import build_inputs, copy_inputs, progress_records, run_stage, summary
 
+from eyas.state.runconfig import ConfigError, stage_options, validate
 from eyas.workers import eval_report
-from eyas.workers.config import ConfigError, validate
 from eyas.workers.stages import evaluate, train
 from eyas.workers.vllm_eval import EngineFailed, Spec, measure
 
@@ -295,7 +295,7 @@ def test_evaluate_config_defaults_and_values(tmp_path):
     assert (ev.num_speculative_tokens, ev.max_tokens, ev.max_prompts, ev.prompts, ev.batch_size,
             ev.tensor_parallel_size) == (5, 64, 0, str(tmp_path / "p.jsonl"), 4, 2)
     # The resolved config travels to the rank as JSON and comes back the same.
-    from eyas.workers.config import RunConfig
+    from eyas.state.runconfig import RunConfig
 
     cfg = _check(tmp_path, "max_tokens = 7\n")
     assert RunConfig.from_dict(cfg.to_dict()).evaluate == cfg.evaluate
@@ -330,16 +330,17 @@ def test_evaluate_config_errors(tmp_path, body, resources, fraction, errors):
 
 
 def test_engine_options_refuse_what_eyas_sets():
-    assert evaluate.check_options({"vllm": {"gpu_memory_utilization": 0.5}}) == {"gpu_memory_utilization": 0.5}
+    # The stage runs with the options model that `eyas validate` checks them against (state/specs.py).
+    assert stage_options("evaluate", {"vllm": {"gpu_memory_utilization": 0.5}}).vllm == {"gpu_memory_utilization": 0.5}
     with pytest.raises(ValueError) as info:
-        evaluate.check_options({"vllm": {"dtype": "half", "speculative_config": {}}})
+        stage_options("evaluate", {"vllm": {"dtype": "half", "speculative_config": {}}})
     assert str(info.value) == (
-        "stages.evaluate.options.vllm sets dtype, speculative_config, which eyas sets itself; remove them "
+        "stages.evaluate.options.vllm: sets dtype, speculative_config, which eyas sets itself; remove them "
         "(tensor_parallel_size: evaluate.tensor_parallel_size; dtype: target.dtype; speculative_config: "
         "evaluate.num_speculative_tokens)")
     with pytest.raises(ValueError) as info:
-        evaluate.check_options({"engine": {}})
-    assert str(info.value) == "stages.evaluate.options.engine: unknown option; valid options: vllm"
+        stage_options("evaluate", {"engine": {}})
+    assert str(info.value) == "stages.evaluate.options.engine: unknown key; valid keys: vllm"
 
 
 def test_the_stage_module_imports_no_vllm():

@@ -12,7 +12,7 @@ import pytest
 from daemon_harness import Daemon, daemon, selftest_toml, short_tmp, wait_for  # noqa: F401 (fixture)
 
 from eyas.daemon import stall
-from eyas.workers import specs
+from eyas.state import specs
 
 # Frames py-spy --native prints for a thread blocked in a lock, a join or a sleep.
 NATIVE_FRAME = re.compile(r"pthread|PyThread_acquire_lock|lock_PyThread|futex|clock_nanosleep|time_sleep|"

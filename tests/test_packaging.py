@@ -18,7 +18,7 @@ def test_wheel_maps_folders_into_the_eyas_namespace(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"eyas", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info"}
-    for module in ("eyas/daemon/cli.py", "eyas/state/store.py", "eyas/workers/specs.py", "eyas/tui/__init__.py",
+    for module in ("eyas/daemon/cli.py", "eyas/state/store.py", "eyas/state/specs.py", "eyas/tui/__init__.py",
                    "eyas/workers/examples/demo.toml"):
         assert module in names, module
     # Every package folder of the tree is in the wheel: a sub-package missing from

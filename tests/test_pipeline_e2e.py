@@ -121,7 +121,7 @@ def test_the_whole_pipeline_runs_on_two_ranks(daemon, pipeline):
         pytest.fail(f"run {run_id} {run['state']}: {run['reason']}\nroot causes: {json.dumps(roots, indent=1)[:6000]}\n"
                     + daemon.diagnose(run_id))
     stages = {s["name"]: s for s in run["stages"]}
-    # Validation puts eyas doctor's preflight checks first (workers/config.py).
+    # Validation puts eyas doctor's preflight checks first (state/runconfig.py).
     assert list(stages) in (STAGES, ["preflight", *STAGES])
     stages.pop("preflight", None)
     for name, s in stages.items():

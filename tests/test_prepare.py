@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from daemon_harness import daemon  # noqa: F401 (fixture)
 
+from eyas.state.runconfig import DataConfig, DraftConfig, RunConfig, TargetConfig, TrainConfig
 from eyas.workers import assets
 from eyas.workers.chat import MaskedRenderer, TemplateMismatch, load_tokenizer
-from eyas.workers.config import DataConfig, DraftConfig, RunConfig, TargetConfig, TrainConfig
 from eyas.workers.dataset_reader import SKIP_REASONS, DataError
 from eyas.workers.doctor_tokenizer import spans
 from eyas.workers.progress import ProgressWriter
@@ -79,8 +79,9 @@ def messages(conv: dict) -> list[dict]:
 
 def config(target: Path, data: Path, fmt: str = "auto", max_length: int = 256, limit: int = 0,
            fraction: float = 0.1, seed: int = 0) -> dict:
-    return RunConfig(name="t", target=TargetConfig(str(target), "float32"),
-                     data=DataConfig(str(data), fmt, max_length, limit, fraction),
+    return RunConfig(name="t", target=TargetConfig(path=str(target), dtype="float32"),
+                     data=DataConfig(path=str(data), format=fmt, max_length=max_length, limit=limit,
+                                     validation_fraction=fraction),
                      draft=DraftConfig(vocab_size=64), train=TrainConfig(seed=seed)).to_dict()
 
 

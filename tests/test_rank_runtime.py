@@ -190,7 +190,7 @@ def test_bad_selftest_option_names_the_fix(start_rank):
     error = r.json("error.json")
     assert (error["type"], error["message"]) == (
         "ValueError",
-        "selftest option fail='explode' is unknown: use one of raise, raise-empty, exit, segfault, "
+        "stages.selftest.options.fail: unknown value 'explode'; use one of: raise, raise-empty, exit, segfault, "
         "sigkill, children, hang")
 
 

@@ -146,7 +146,7 @@ def test_a_daemon_that_died_while_starting_ranks_is_followed_by_one_that_finishe
     that never existed as Lost and starting another attempt."""
     from eyas.daemon.supervisor import Group
     from eyas.state import paths, store
-    from eyas.workers import config as run_config
+    from eyas.state import runconfig as run_config
 
     daemon.stop()
     toml = daemon.home / "half.toml"

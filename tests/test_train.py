@@ -265,10 +265,10 @@ def test_packing_is_speculators_and_the_same_on_every_call():
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"schedule": "linear"}, "stages.train.options.schedule: unknown option; valid options: scheduler, save_every"),
-    ({"scheduler": "step"}, "stages.train.options.scheduler: 'step' is not one of linear, cosine, constant"),
-    ({"save_every": "3"}, "stages.train.options.save_every: expected int, got '3'"),
-    ({"log_every": 0}, "stages.train.options.log_every: 0 is out of range; use 1 or more"),
+    ({"schedule": "linear"}, "stages.train.options.schedule: unknown key; did you mean 'stages.train.options.scheduler'"),
+    ({"scheduler": "step"}, "stages.train.options.scheduler: unknown value 'step'; use one of: linear, cosine, constant"),
+    ({"save_every": "3"}, "stages.train.options.save_every: expected an integer, got string '3'"),
+    ({"log_every": 0}, "stages.train.options.log_every: 0 is out of range; use an integer >= 1"),
     ({"attention": "simple_flex_attention"}, "flex attention has no CPU backward; use \"sdpa\" on CPU"),
 ])
 def test_bad_options_get_one_clear_line(inputs, tmp_path, options, message):

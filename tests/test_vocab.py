@@ -10,7 +10,7 @@ import pytest
 import torch
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-from eyas.workers.config import DraftConfig, RunConfig, TargetConfig
+from eyas.state.runconfig import DraftConfig, RunConfig, TargetConfig
 from eyas.workers.progress import ProgressWriter
 from eyas.workers.runtime import RankContext
 from eyas.workers.stages import vocab
@@ -72,7 +72,7 @@ def run(tmp_path):
             np.save(out / "prepare" / "token_freq.npy", freq)
         attempt_dir = tmp_path / f"attempt-{attempt}"
         attempt_dir.mkdir(exist_ok=True)
-        cfg = RunConfig(name="v", target=TargetConfig(str(target)), draft=DraftConfig(vocab_size=n)).to_dict()
+        cfg = RunConfig(name="v", target=TargetConfig(path=str(target)), draft=DraftConfig(vocab_size=n)).to_dict()
         ctx = RankContext(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=29500, run_id=1,
                           stage="vocab", attempt=attempt, attempt_dir=attempt_dir, output_dir=out, config=cfg,
                           progress=ProgressWriter(attempt_dir / "rank-0.progress.jsonl"))

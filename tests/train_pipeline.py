@@ -49,7 +49,7 @@ seed = 0
 def config(root: Path, target: Path, data: Path, rows: int = 40, draft_vocab: int = 256,
            validation_fraction: float = 0.2, **train) -> dict:
     """The run config, checked and resolved by eyas' own loader (defaults filled in)."""
-    from eyas.workers.config import load
+    from eyas.state.runconfig import load
 
     text = TOML.format(target=target, data=data, rows=rows, draft_vocab=draft_vocab,
                        validation_fraction=validation_fraction)

@@ -19,7 +19,8 @@ import time
 import tomllib
 from pathlib import Path
 
-from eyas.workers import config, doctor_check
+from eyas.state import runconfig as config
+from eyas.workers import doctor_check
 from eyas.workers.doctor_check import Check, failed
 
 CONFIG_GROUP = "config"

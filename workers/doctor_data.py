@@ -18,8 +18,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eyas.state.runconfig import DataConfig
 from eyas.workers import dataset_reader as reader
-from eyas.workers.config import DataConfig
 from eyas.workers.doctor_check import Check, failed, human_bytes, passed, warned
 
 GROUP = "data"

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eyas.workers.config import RunConfig, stage_world_size
+from eyas.state.runconfig import RunConfig, stage_world_size
+from eyas.state.specs import STAGES
 from eyas.workers.doctor_check import Check, failed, human_bytes, passed, warned
-from eyas.workers.specs import STAGES
 
 GROUP = "resources"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}

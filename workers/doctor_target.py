@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eyas.workers.config import layer_id_errors, text_value
+from eyas.state.runconfig import layer_id_errors, text_value
 from eyas.workers.doctor_check import Check, failed, human_bytes, passed, warned
 
 INDEX = "model.safetensors.index.json"

@@ -10,8 +10,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from eyas.state.runconfig import read_model_config
 from eyas.workers import adapters
-from eyas.workers.config import read_model_config
 
 log = logging.getLogger("eyas.hf_target")
 

@@ -121,7 +121,7 @@ def context_from_env(env: dict[str, str] | None = None) -> RankContext:
 
 def resolve_entry(stage: str):
     """Import and return the entry function of `stage` (specs.STAGES[stage].entry)."""
-    from eyas.workers.specs import STAGES
+    from eyas.state.specs import STAGES
 
     spec = STAGES.get(stage)
     if spec is None:

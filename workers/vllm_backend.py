@@ -63,10 +63,8 @@ log = logging.getLogger("eyas.vllm_backend")
 SUPPORTED = {"0.32": "the CPU build tested here", "0.33": "GPUs"}
 EXTENSION = "eyas.workers.vllm_ext.EyasWorkerExtension"
 REQUEST_PREFIX = "eyas-"
-# Engine arguments eyas sets itself; the run's options may not override them.
-FIXED = ("model", "tokenizer", "tensor_parallel_size", "pipeline_parallel_size", "dtype", "enforce_eager",
-         "enable_prefix_caching", "worker_extension_cls", "distributed_executor_backend", "skip_tokenizer_init",
-         "trust_remote_code")
+# The engine arguments eyas sets itself, which [stages.extract] options.vllm may not override, are
+# listed (and checked when a run is submitted) in state/specs.py: EXTRACT_ENGINE_ARGS.
 
 
 class UnsupportedVllm(RuntimeError):
@@ -163,12 +161,7 @@ def config_warnings(model_cfg: dict) -> list[str]:
 def engine_args(target_path: str, dtype: str, tp: int, trust_remote_code: bool, max_len: int,
                 extension: str, options: dict | None, model_cfg: dict | None = None,
                 cpu_build: bool = False) -> dict[str, Any]:
-    extra = dict(options or {})
-    fixed = sorted(k for k in extra if k in FIXED)
-    if fixed:
-        raise ValueError(f"stages.extract.options.vllm sets {', '.join(fixed)}, which eyas sets itself; "
-                         f"remove {'it' if len(fixed) == 1 else 'them'} (tensor_parallel_size: "
-                         "extract.tensor_parallel_size; dtype: target.dtype)")
+    extra = dict(options or {})     # checked against the arguments below: state/specs.py, ExtractOptions
     args = {
         "model": target_path, "tokenizer": target_path, "dtype": dtype, "tensor_parallel_size": tp,
         "pipeline_parallel_size": 1, "enforce_eager": True, "enable_prefix_caching": False,

@@ -55,9 +55,8 @@ COUNTERS = {
 }
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 TAIL_LINES = 60
-# Engine arguments the evaluate stage sets itself; [stages.evaluate] options.vllm may not.
-FIXED = ("model", "tokenizer", "tensor_parallel_size", "pipeline_parallel_size", "dtype", "speculative_config",
-         "skip_tokenizer_init", "trust_remote_code", "enable_prefix_caching", "disable_log_stats")
+# The engine arguments the evaluate stage sets itself, which [stages.evaluate] options.vllm may not
+# override, are listed (and checked when a run is submitted) in state/specs.py: EVALUATE_ENGINE_ARGS.
 
 
 class EngineFailed(RuntimeError):

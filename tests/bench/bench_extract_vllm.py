@@ -60,8 +60,8 @@ def child(tp: int, target: Path, data: Path, batch: int, scratch: Path) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from eyas.state.runconfig import read_model_config
     from eyas.workers import hswriter, vllm_backend
-    from eyas.workers.config import read_model_config
     from eyas.workers.stages import extract
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

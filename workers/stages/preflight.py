@@ -1,6 +1,6 @@
 """The `preflight` stage: `eyas doctor`'s checks as the first step of a run.
 
-Config validation puts it first in every pipeline that reads the target (config.py,
+Config validation puts it first in every pipeline that reads the target (state/runconfig.py,
 `preflight = false` turns it off). It runs the same checks as `eyas doctor` (doctor.run_checks)
 on the run's resolved config and output folder, logs the table, writes the report as the
 stage's summary.json, and raises on any failed check, naming each with its fix, so the run
@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 
 from eyas.state import contract
+from eyas.state.runconfig import RunConfig
 from eyas.workers import atomic, doctor_check
-from eyas.workers.config import RunConfig
 from eyas.workers.doctor import run_checks
 
 log = logging.getLogger("eyas.preflight")

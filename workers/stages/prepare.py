@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 
 from eyas.state import contract
+from eyas.state.runconfig import DataConfig, RunConfig
 from eyas.workers import atomic
 from eyas.workers.chat import MaskedRenderer, RenderError, TemplateMismatch, load_tokenizer
-from eyas.workers.config import DataConfig, RunConfig
 from eyas.workers.dataset_reader import (
     SKIP_REASONS,
     Chat,

@@ -7,7 +7,8 @@ child processes, or a hang. It can also misbehave the ways a rank hangs on its w
 looks hung while alive: a long silent phase with only heartbeats (heartbeat_for), a rank that
 never returns after its steps (hang_at_end), a non-daemon thread left running (linger_thread),
 and the gloo teardown deadlock (gloo_teardown = "naive"; "safe" is eyas's teardown of the same
-state). Options come from config["stages"]["selftest"]["options"].
+state). Options come from config["stages"]["selftest"]["options"]; state/specs.py
+(SelftestOptions) declares them.
 """
 
 from __future__ import annotations
@@ -19,71 +20,15 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, fields
 
 from eyas.state import contract
+from eyas.state.runconfig import stage_options
 from eyas.workers import atomic
 
 log = logging.getLogger("eyas.selftest")
 
-FAIL_MODES = ("raise", "raise-empty", "exit", "segfault", "sigkill", "children", "hang")
-GLOO_TEARDOWNS = ("naive", "safe")
-
-
-@dataclass(frozen=True)
-class Options:
-    steps: int = 10
-    step_time: float = 0.05
-    lines_per_sec: int = 0          # 0: one log line per step
-    duration: float | None = None   # with lines_per_sec: flood for this long (sets steps)
-    tokens_per_step: int = 100
-    fail: str | None = None         # one of FAIL_MODES
-    fail_rank: int = 0              # -1: every rank
-    fail_at_step: int = 0           # fail before doing this step (0-based)
-    fail_attempts: tuple[int, ...] | None = None  # None: on every attempt
-    summary_on_fail: bool = False   # rank 0 writes summary.json before it fails (as evaluate does)
-    heartbeat_for: float = 0.0      # first, this many seconds of silence but for heartbeats (a weight load)
-    hang_at_end: bool = False       # after its steps, rank fail_rank (-1: all) blocks for ever, writing nothing
-    linger_thread: bool = False     # after its work, leave a non-daemon thread that never ends
-    ignore_sigterm: bool = False    # a rank that only SIGKILL ends (teardown waits out its grace)
-    gloo_teardown: str | None = None  # a gloo group and a DDP model, torn down the old way or eyas's
-
-    @classmethod
-    def parse(cls, raw: dict) -> Options:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"selftest option {unknown[0]!r} is unknown: use one of {', '.join(sorted(known))}")
-        if raw.get("fail") is not None and raw["fail"] not in FAIL_MODES:
-            raise ValueError(f"selftest option fail={raw['fail']!r} is unknown: use one of {', '.join(FAIL_MODES)}")
-        if raw.get("gloo_teardown") is not None and raw["gloo_teardown"] not in GLOO_TEARDOWNS:
-            raise ValueError(f"selftest option gloo_teardown={raw['gloo_teardown']!r} is unknown: use one of "
-                             f"{', '.join(GLOO_TEARDOWNS)}")
-        for name in ("hang_at_end", "linger_thread", "summary_on_fail", "ignore_sigterm"):
-            if name in raw and not isinstance(raw[name], bool):
-                raise ValueError(f"selftest option {name}={raw[name]!r}: use true or false")
-        opts = dict(raw)
-        try:
-            for name in ("steps", "lines_per_sec", "tokens_per_step", "fail_rank", "fail_at_step"):
-                if name in opts:
-                    opts[name] = int(opts[name])
-            for name in ("step_time", "duration", "heartbeat_for"):
-                if opts.get(name) is not None:
-                    opts[name] = float(opts[name])
-            if opts.get("fail_attempts") is not None:
-                opts["fail_attempts"] = tuple(int(a) for a in opts["fail_attempts"])
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"selftest options: {exc}; give numbers (fail_attempts: a list of numbers)") from None
-        result = cls(**opts)
-        if result.duration is not None and result.lines_per_sec <= 0:
-            raise ValueError("selftest option duration needs lines_per_sec > 0: set both, or neither")
-        if result.step_time <= 0 and result.lines_per_sec > 0:
-            raise ValueError("selftest option lines_per_sec needs step_time > 0")
-        return result
-
-
 def main(ctx) -> None:
-    opts = Options.parse(ctx.options)
+    opts = stage_options("selftest", ctx.options)     # state/specs.py: SelftestOptions
     if opts.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     steps = opts.steps

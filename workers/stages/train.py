@@ -11,7 +11,7 @@ A retried attempt resumes from the furthest checkpoint (workers/checkpoint.py).
 
 Run config: [draft] vocab_size, num_layers, ttt_steps; [train] epochs, lr, batch_tokens (the
 packing budget per rank and step), warmup_steps, weight_decay, grad_clip, noise_std, seed,
-strategy ("ddp" or "fsdp"). [stages.train.options], all optional:
+strategy ("ddp" or "fsdp"). [stages.train.options], all optional (state/specs.py: TrainOptions):
 - scheduler = "linear" | "cosine" | "constant"   decay after warmup (default linear, as speculators)
 - save_every = N          a mid-epoch checkpoint every N steps (default 0: epoch ends only)
 - log_every = N           reduce and report metrics every N steps (default 1)
@@ -33,13 +33,6 @@ from eyas.workers import atomic
 
 log = logging.getLogger("eyas.train")
 
-_OPTIONS: dict[str, tuple[type, ...]] = {
-    "scheduler": (str,), "save_every": (int,), "log_every": (int,), "num_workers": (int,), "loss": (str,),
-    "loss_implementation": (str,), "attention": (str,), "ttt_step_loss_decay": (int, float),
-}
-_CHOICES = {"scheduler": ("linear", "cosine", "constant"), "loss_implementation": ("eager", "fused"),
-            "attention": ("sdpa", "eager", "simple_flex_attention")}
-
 
 def _device(devices: Any) -> str:
     if devices == "cpu":
@@ -57,34 +50,20 @@ def _fused_available() -> bool:
     return True
 
 
-def check_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The stage's options, checked; one clear line per mistake."""
-    for key, value in options.items():
-        where = f"stages.train.options.{key}"
-        if key not in _OPTIONS:
-            raise ValueError(f"{where}: unknown option; valid options: {', '.join(_OPTIONS)}")
-        if isinstance(value, bool) or not isinstance(value, _OPTIONS[key]):
-            raise ValueError(f"{where}: expected {' or '.join(t.__name__ for t in _OPTIONS[key])}, got {value!r}")
-        if key in _CHOICES and value not in _CHOICES[key]:
-            raise ValueError(f"{where}: {value!r} is not one of {', '.join(_CHOICES[key])}")
-        if key in ("save_every", "num_workers") and value < 0 or key == "log_every" and value < 1:
-            raise ValueError(f"{where}: {value} is out of range; use {'1' if key == 'log_every' else '0'} or more")
-    return options
-
-
 def settings(ctx):
     """The attempt's Settings, from the run config in the rank context."""
-    from eyas.workers.config import RunConfig
+    from eyas.state.runconfig import RunConfig, stage_options
     from eyas.workers.train_loop import Settings
 
     cfg = RunConfig.from_dict(ctx.config)
     if cfg.target is None:
         raise ValueError("train needs [target] in the run's config (the verifier the draft learns from); add it")
-    opts = check_options(dict(ctx.options))
+    # Checked when the run was submitted (state/specs.py: TrainOptions); what needs the device is checked here.
+    opts = stage_options("train", ctx.options)
     device = _device(cfg.resources.devices)
-    if device == "cpu" and opts.get("attention") == "simple_flex_attention":
+    if device == "cpu" and opts.attention == "simple_flex_attention":
         raise ValueError("stages.train.options.attention: flex attention has no CPU backward; use \"sdpa\" on CPU")
-    if opts.get("loss_implementation") == "fused" and not _fused_available():
+    if opts.loss_implementation == "fused" and not _fused_available():
         raise ValueError("stages.train.options.loss_implementation: \"fused\" needs triton, which is not installed; "
                          "use \"eager\"")
     out = ctx.output_dir
@@ -95,13 +74,13 @@ def settings(ctx):
         warmup_steps=cfg.train.warmup_steps, weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip,
         noise_std=cfg.train.noise_std, seed=cfg.train.seed, strategy=cfg.train.strategy, device=device,
         prepare_dir=out / "prepare", extract_dir=out / "extract", vocab_dir=out / "vocab", out_dir=ctx.stage_dir,
-        scheduler=opts.get("scheduler", "linear"), save_every=opts.get("save_every", 0),
-        log_every=opts.get("log_every", 1), num_workers=opts.get("num_workers", 2 if device == "cuda" else 0),
-        loss=opts.get("loss", "kl_div"),
-        loss_implementation=opts.get("loss_implementation",
-                                     "fused" if device == "cuda" and _fused_available() else "eager"),
-        attn_impl=opts.get("attention", "simple_flex_attention" if device == "cuda" else "sdpa"),
-        ttt_step_loss_decay=float(opts.get("ttt_step_loss_decay", 1.0)),
+        scheduler=opts.scheduler, save_every=opts.save_every, log_every=opts.log_every,
+        num_workers=(2 if device == "cuda" else 0) if opts.num_workers is None else opts.num_workers,
+        loss=opts.loss,
+        loss_implementation=opts.loss_implementation or ("fused" if device == "cuda" and _fused_available()
+                                                         else "eager"),
+        attn_impl=opts.attention or ("simple_flex_attention" if device == "cuda" else "sdpa"),
+        ttt_step_loss_decay=opts.ttt_step_loss_decay,
     )
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from eyas.state import contract
+from eyas.state.runconfig import RunConfig
 from eyas.workers import atomic
-from eyas.workers.config import RunConfig
 from eyas.workers.target_vocab import target_vocab_size
 
 log = logging.getLogger("eyas.vocab")

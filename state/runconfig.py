@@ -1,0 +1,545 @@
+"""The run configuration: one TOML file in, a frozen RunConfig out, or every mistake in it, one line each.
+
+Each key's type, default and bounds are declared once, on the pydantic models below (the stages'
+options on their models in state/specs.py). `load()` reads the TOML and `validate()` checks it
+table by table, translating pydantic's errors into the lines users read
+(`<file>: <key>: <problem>; <fix>`, with a did-you-mean for misspelt keys and values), all at once,
+so that a config is fixed in one round instead of one error per submit. Checks across tables and
+against the filesystem (the target's config.json, the dataset, tensor parallelism against the
+devices) run after the tables, between the values that passed their own checks. Workers get the
+resolved config back as JSON (`RunConfig.to_dict()` / `RunConfig.from_dict()`).
+
+No torch: the daemon and `eyas validate` import this module; the target's config.json is read with
+`json`, not transformers, for the same reason.
+
+Over 500 lines: the models, the value checks their declarations cannot state and validate() are one
+contract, read together.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo
+
+from eyas.state.specs import DEFAULT_PIPELINE, STAGES, Table
+from eyas.state.tomlcheck import ConfigError, Report, describe, read_toml
+
+Dtype = Literal["float32", "float16", "bfloat16"]
+DataFormat = Literal["auto", "sharegpt", "openai", "tokenized"]
+Backend = Literal["hf", "vllm"]
+Strategy = Literal["ddp", "fsdp"]
+DTYPES: tuple[str, ...] = get_args(Dtype)
+DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
+BACKENDS: tuple[str, ...] = get_args(Backend)
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+DEFAULT_BACKOFF = 2.0
+LOG_MAX_MB = 512   # stages.<name>.log_max_mb's default; the daemon hands each rank its bound
+_NAME_CHARS = re.compile(r"[A-Za-z0-9._-]+")
+
+
+# --- the value checks pydantic's declarations cannot say: each raises ValueError("problem; fix"),
+# several problems of one value on several lines -------------------------------------------------
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)     # TOML true is not 1
+
+
+def _name(name: str) -> str:
+    if not name:
+        raise ValueError('empty; write a short name like "my-run"')
+    if len(name) > 80:
+        raise ValueError(f"{len(name)} characters is too long; use at most 80")
+    if not _NAME_CHARS.fullmatch(name):
+        fixed = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "my-run"
+        raise ValueError(f"'{name}' may only hold letters, digits, '.', '_' and '-'; e.g. '{fixed}'")
+    return name
+
+
+def _path(value: Any, info: ValidationInfo) -> str:
+    """An absolute path: a relative one counts from the TOML file's folder, the validation context's
+    base_dir. Without one (from_dict, direct construction) the path is kept as given."""
+    if not isinstance(value, str):
+        raise ValueError(f"expected a path string, got {describe(value)}")
+    if not value.strip():
+        raise ValueError("empty; write a path, relative to this file's folder or absolute")
+    base = (info.context or {}).get("base_dir")
+    return os.path.normpath(base / Path(value).expanduser()) if base is not None else value
+
+
+def _pipeline_parts(value: Any) -> tuple[tuple[str, ...], list[str]]:
+    """(the pipeline's known stages, each listed once; what is wrong with it): validation goes on
+    with the stages it knows, so that the checks that depend on the pipeline still run."""
+    if not isinstance(value, (list, tuple)):
+        return DEFAULT_PIPELINE, [f"expected an array of stage names, got {describe(value)}"]
+    problems = []
+    if not value:
+        problems.append(f"empty; list at least one stage, e.g. {json.dumps(list(DEFAULT_PIPELINE))}")
+    names, out = list(STAGES), []
+    for item in value:
+        if not isinstance(item, str):
+            problems.append(f"expected stage names, got {describe(item)}")
+        elif item not in STAGES:
+            close = difflib.get_close_matches(item, names, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"choose from {', '.join(names)}"
+            problems.append(f"unknown stage '{item}'; {hint}")
+        elif item in out:
+            problems.append(f"'{item}' is listed twice; list each stage once")
+        else:
+            out.append(item)
+    return tuple(out), problems
+
+
+def _pipeline(value: Any) -> tuple[str, ...]:
+    stages, problems = _pipeline_parts(value)
+    if problems:
+        raise ValueError("\n".join(problems))
+    return stages
+
+
+def layer_id_errors(value: Any, n: int | None) -> list[str]:
+    """What is wrong with a list of layer ids for an `n`-layer target (None: depth unknown), one
+    "problem; fix" line each; [] when nothing is."""
+    if not isinstance(value, (list, tuple)):
+        return [f"expected an array of layer ids, got {describe(value)}"]
+    bad = [v for v in value if not _is_int(v)]
+    if bad:
+        return [f"expected integers, got {describe(bad[0])}"]
+    errors = []
+    if len(value) < 2:
+        errors.append(f"{len(value)} id given; list at least 2 (EAGLE-3 fuses several layers), e.g. [2, N//2, N-3, N]")
+    for v in value:
+        if n is not None and not 0 <= v <= n:
+            errors.append(f"{v} is out of range 0..{n} for a {n}-layer target; "
+                          f"use ids from 0 to {n} ({n} is the final pre-norm output)")
+        elif v < 0:
+            errors.append(f"{v} is out of range; layer ids count from 0")
+    # The suggested fix keeps only the ids that are in range.
+    fixed = sorted({v for v in value if v >= 0 and (n is None or v <= n)})
+    seen = set()
+    for v in value:
+        if v in seen:
+            errors.append(f"{v} is listed twice; list each id once, e.g. {fixed}")
+        seen.add(v)
+    if len(seen) == len(value) and list(value) != sorted(value):
+        errors.append(f"{list(value)} is not in ascending order; write {fixed}")
+    return errors
+
+
+def _layer_ids(value: Any, info: ValidationInfo) -> Any:
+    """Checked against the target's depth when validation knows it (context n_layers)."""
+    if value is None:
+        return None
+    problems = layer_id_errors(value, (info.context or {}).get("n_layers"))
+    if problems:
+        raise ValueError("\n".join(problems))
+    return tuple(value)
+
+
+def _devices(value: Any) -> Any:
+    fix = 'use "auto", "cpu" or a list of GPU indices like [0, 1]'
+    if isinstance(value, str):
+        if value in ("auto", "cpu"):
+            return value
+        raise ValueError(f"unknown value '{value}'; {fix}")
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"expected \"auto\", \"cpu\" or a list of GPU indices, got {describe(value)}")
+    if not value:
+        raise ValueError(f"empty; {fix}")
+    problems, seen = [], set()
+    for d in value:
+        if not _is_int(d):
+            problems.append(f"expected GPU indices (integers), got {describe(d)}")
+        elif d < 0:
+            problems.append(f"{d} is not a GPU index; use non-negative integers like [0, 1]")
+        elif d in seen:
+            problems.append(f"{d} is listed twice; list each GPU once")
+        else:
+            seen.add(d)
+    if problems:
+        raise ValueError("\n".join(problems))
+    return tuple(value)
+
+
+def _json_safe(options: dict[str, Any]) -> dict[str, Any]:
+    try:
+        json.dumps(options)     # the options reach the stage through the run's config JSON
+    except TypeError:
+        raise ValueError("holds a date or time, which cannot be passed to a stage; quote it as a string") from None
+    return options
+
+
+def _not_a_file(path: str, info: ValidationInfo) -> str:
+    if (info.context or {}).get("base_dir") is not None and os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{path} is a file; point it at a directory (it is created if missing)")
+    return path
+
+
+def _no_options(stage: str) -> str:
+    return f"{stage} takes no options, so remove it"
+
+
+AbsPath = Annotated[str, BeforeValidator(_path)]
+
+
+# --- the models -------------------------------------------------------------------------------
+
+class TargetConfig(Table):
+    path: AbsPath = Field(json_schema_extra={"missing": "set it to the target model's directory "
+                                                        "(the one with config.json)"})
+    dtype: Dtype = "bfloat16"
+    trust_remote_code: bool = False
+
+
+class DataConfig(Table):
+    path: AbsPath = Field(json_schema_extra={"missing": "set it to the dataset (a .jsonl file or a directory)"})
+    format: DataFormat = "auto"
+    max_length: int = Field(2048, ge=16, le=1_048_576)
+    limit: int = Field(0, ge=0)                 # 0: no limit
+    validation_fraction: float = Field(0.05, ge=0, lt=1)
+
+
+class ExtractConfig(Table):
+    backend: Backend = "hf"
+    # Resolved from the target's depth when the file names none (None only without a target).
+    layer_ids: Annotated[tuple[int, ...] | None, BeforeValidator(_layer_ids)] = None
+    tensor_parallel_size: int = Field(1, ge=1)
+    batch_size: int = Field(8, ge=1)
+
+
+class ResourcesConfig(Table):
+    ranks: int = Field(1, ge=1, le=1024)
+    devices: Annotated[Literal["auto", "cpu"] | tuple[int, ...], BeforeValidator(_devices)] = "auto"
+
+
+class DraftConfig(Table):
+    vocab_size: int = Field(32000, ge=1)
+    num_layers: int = Field(1, ge=1, le=8)
+    ttt_steps: int = Field(3, ge=1, le=16)
+
+
+class TrainConfig(Table):
+    epochs: int = Field(3, ge=1)
+    lr: float = Field(1e-4, gt=0, lt=1)
+    batch_tokens: int = Field(8192, ge=16)
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    noise_std: float = Field(0.0, ge=0)
+    seed: int = Field(0, ge=0, le=2**32 - 1)    # numpy's seed range
+    strategy: Strategy = "ddp"
+
+
+class EvaluateConfig(Table):
+    """[evaluate]: the draft's acceptance in vLLM (workers/stages/evaluate.py)."""
+
+    num_speculative_tokens: int = Field(3, ge=1, le=16)    # k: draft tokens proposed per target forward
+    max_tokens: int = Field(128, ge=1, le=65536)            # greedy tokens generated per prompt
+    max_prompts: int = Field(128, ge=0)                     # the first N prompts; 0: all of them
+    prompts: AbsPath | None = None      # a JSONL prompt file; None: prepare's validation split
+    batch_size: int = Field(16, ge=1, le=4096)              # sequences vLLM runs at once (max_num_seqs)
+    # None only before validation: it then defaults to extract.tensor_parallel_size.
+    tensor_parallel_size: int | None = Field(None, ge=1)
+
+
+class StageConfig(Table):
+    max_restarts: int | None = Field(None, ge=0, le=100)   # None: the stage spec's default
+    backoff: float = Field(DEFAULT_BACKOFF, ge=0)    # seconds before the first restart, doubled each time
+    # The hang bounds (daemon/watchdog.py), in seconds; 0 turns one off, None takes the stage
+    # spec's default. stall_timeout: nothing written for this long; exit_timeout: a rank still
+    # alive this long after its own work or its peers ended.
+    stall_timeout: float | None = Field(None, ge=0)
+    exit_timeout: float | None = Field(None, ge=0)
+    # Each rank log's bound in MiB (state/logcut.py): past it the middle is cut; 0: unbounded.
+    log_max_mb: float = Field(LOG_MAX_MB, ge=0)
+    ranks: int | None = Field(None, ge=1)           # None: resources.ranks
+    # As written: validate() checks them against the stage's options model (STAGES[name].options).
+    options: Annotated[dict[str, Any], AfterValidator(_json_safe)] = Field(default_factory=dict)
+
+
+class _Head(Table):
+    """The run's top-level keys, checked before its tables."""
+
+    name: Annotated[str, AfterValidator(_name)] = Field(
+        json_schema_extra={"missing": 'add name = "my-run" at the top of the file'})
+    # None: the daemon picks <state>/runs/<id>/out. Checked against the disk only when a file is.
+    output_dir: Annotated[AbsPath, AfterValidator(_not_a_file)] | None = None
+    pipeline: Annotated[tuple[str, ...], BeforeValidator(_pipeline)] = DEFAULT_PIPELINE
+
+
+class RunConfig(_Head):
+    target: TargetConfig | None = None
+    data: DataConfig | None = None
+    extract: ExtractConfig = Field(default_factory=ExtractConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    draft: DraftConfig = Field(default_factory=DraftConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    stages: dict[str, StageConfig] = Field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types only (tuples become lists); paths are already absolute."""
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunConfig:
+        """Rebuild a config from `to_dict()`. Types only: the file system was checked when the run
+        was submitted, and the paths may live on another host's view of it."""
+        return cls.model_validate(d)
+
+
+def stage_world_size(cfg: RunConfig, stage: str) -> int:
+    """How many ranks the daemon starts for `stage`."""
+    if not STAGES[stage].distributed:
+        return 1
+    override = cfg.stages.get(stage)
+    if override is not None and override.ranks is not None:
+        return override.ranks
+    return cfg.resources.ranks
+
+
+def stage_settings(cfg: RunConfig, stage: str) -> tuple[int, float, dict[str, Any]]:
+    """(max_restarts, backoff seconds, options as written) of `stage`, defaults filled in."""
+    sc = cfg.stages.get(stage) or StageConfig()
+    restarts = STAGES[stage].max_restarts if sc.max_restarts is None else sc.max_restarts
+    return restarts, sc.backoff, dict(sc.options)
+
+
+def stage_options(stage: str, options: dict[str, Any]) -> Any:
+    """`options` as the model of `stage`'s options (state/specs.py), defaults filled in: what the
+    stage runs with. A submitted run's options were checked then; options handed to a stage
+    directly raise ValueError, as the stage's other mistakes do: one `stages.<stage>.options.<key>: ...`
+    line each."""
+    report = Report(None)
+    model = report.table(STAGES[stage].options, dict(options), f"stages.{stage}.options.", none_hint=_no_options(stage))
+    if report.errors:
+        raise ValueError("\n".join(report.errors))
+    return model
+
+
+def default_layer_ids(n: int) -> tuple[int, ...]:
+    """[2, N//2, N-3, N] (EAGLE-3's low, middle, high layers plus the last hidden state),
+    clipped to 0..N and deduplicated so that shallow test targets still get a valid list."""
+    return tuple(sorted({min(max(i, 0), n) for i in (2, n // 2, n - 3, n)}))
+
+
+def read_model_config(target_path: str | os.PathLike) -> dict[str, Any]:
+    """The target's config.json as a dict (OSError / json.JSONDecodeError on a bad file)."""
+    with open(Path(target_path) / "config.json", encoding="utf-8") as f:
+        cfg = json.load(f)
+    if not isinstance(cfg, dict):
+        raise ValueError("config.json does not hold a JSON object")
+    return cfg
+
+
+def text_value(model_cfg: dict[str, Any], key: str) -> Any:
+    """`key` of the language model: multimodal wrappers (e.g. KimiK25ForConditionalGeneration)
+    keep it under text_config."""
+    if key in model_cfg:
+        return model_cfg[key]
+    text = model_cfg.get("text_config")
+    return text.get(key) if isinstance(text, dict) else None
+
+
+def num_hidden_layers(target_path: str | os.PathLike) -> int:
+    """The target's decoder depth N, from config.json (or its text_config)."""
+    n = text_value(read_model_config(target_path), "num_hidden_layers")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError("config.json has no num_hidden_layers (nor text_config.num_hidden_layers)")
+    return n
+
+
+
+
+# --- validate: the tables in file order, then the checks across them --------------------------
+
+def _section(report: Report, data: dict, key: str, model: type[Table], context: dict | None = None) -> Any:
+    """The table `key` of the file as a `model`; None when absent, not a table, or unusable."""
+    if key not in data:
+        return None
+    if not isinstance(data[key], dict):
+        report.error(key, f"expected a table, got {describe(data[key])}; write it as [{key}]")
+        return None
+    return report.table(model, data[key], f"{key}.", context)
+
+
+def _stages_phrase(stages: list[str]) -> str:
+    """'stage prepare reads' / 'stages extract, train read'."""
+    if len(stages) == 1:
+        return f"stage {stages[0]} reads"
+    return f"stages {', '.join(stages)} read"
+
+
+def _check_target(report: Report, data: dict, pipeline: tuple[str, ...], context: dict):
+    """(TargetConfig | None, the target's config.json dict | None)."""
+    readers = [s for s in pipeline if STAGES[s].needs_target]
+    if "target" not in data and readers:
+        report.error("target", f"missing ({_stages_phrase(readers)} the target model); "
+                               'add a [target] table with path = "<model directory>"')
+    target = _section(report, data, "target", TargetConfig, context)
+    if target is None:
+        return None, None
+    path, fix = target.path, "point it at a model directory with config.json"
+    if not os.path.exists(path):
+        report.error("target.path", f"{path} does not exist; {fix}")
+    elif not os.path.isdir(path):
+        report.error("target.path", f"{path} is not a directory; {fix}")
+    elif not os.path.isfile(os.path.join(path, "config.json")):
+        report.error("target.path", f"{path} has no config.json; {fix}")
+    else:
+        try:
+            model_cfg = read_model_config(path)
+            num_hidden_layers(path)
+        except (OSError, ValueError) as exc:    # JSONDecodeError is a ValueError
+            report.error("target.path", f"{path}/config.json is unusable ({exc}); {fix}")
+        else:
+            return target, model_cfg
+    return target, None
+
+
+def _check_data(report: Report, data: dict, pipeline: tuple[str, ...], context: dict) -> DataConfig | None:
+    readers = [s for s in pipeline if STAGES[s].needs_data]
+    if "data" not in data and readers:
+        report.error("data", f"missing ({_stages_phrase(readers)} the dataset); "
+                             'add a [data] table with path = "<chat .jsonl file or directory>"')
+    cfg = _section(report, data, "data", DataConfig, context)
+    if cfg is not None and not os.path.exists(cfg.path):
+        report.error("data.path", f"{cfg.path} does not exist; point it at a .jsonl file or a directory")
+    return cfg
+
+
+def _with_preflight(report: Report, data: dict, pipeline: tuple[str, ...]) -> tuple[str, ...]:
+    """The pipeline with "preflight" (eyas doctor's checks) first when any stage reads the target,
+    unless the user placed it themselves or set `preflight = false`. Pipelines of stages that need
+    no target (selftest) get none. `preflight` is read here only: RunConfig keeps no field for it."""
+    wanted = data.get("preflight", True)
+    if not isinstance(wanted, bool):
+        report.error("preflight", f"expected true or false, got {describe(wanted)}")
+        return pipeline
+    if wanted is False and "preflight" in pipeline:
+        report.error("preflight", "false, but pipeline lists \"preflight\"; remove it from pipeline or drop this key")
+    if not wanted or "preflight" in pipeline:
+        return pipeline
+    if any(STAGES[s].needs_target for s in pipeline):
+        return ("preflight", *pipeline)
+    return pipeline
+
+
+def _check_stages(report: Report, data: dict, pipeline: tuple[str, ...]) -> dict[str, StageConfig]:
+    if "stages" not in data:
+        return {}
+    table = data["stages"]
+    if not isinstance(table, dict):
+        report.error("stages", f"expected a table, got {describe(table)}; write [stages.<name>] tables")
+        return {}
+    out = {}
+    for name, sub in table.items():
+        key = f"stages.{name}"
+        if name not in pipeline:
+            if name in STAGES:
+                report.error(key, f"'{name}' is not in the pipeline; add it to pipeline or remove [{key}]")
+            else:
+                close = difflib.get_close_matches(name, list(pipeline), n=1)
+                hint = f"did you mean 'stages.{close[0]}'?" if close else \
+                    f"the pipeline's stages are: {', '.join(pipeline)}"
+                report.error(key, f"unknown stage; {hint}")
+            continue
+        if not isinstance(sub, dict):
+            report.error(key, f"expected a table, got {describe(sub)}; write it as [{key}]")
+            continue
+        stage = report.table(StageConfig, sub, f"{key}.")
+        if "ranks" in sub and not STAGES[name].distributed:
+            report.error(f"{key}.ranks", f"{name} always runs as one rank; remove this key")
+            stage = stage.model_copy(update={"ranks": None})
+        # The stage's own options, now rather than when the stage starts (a rejected options
+        # table was reported above and left empty).
+        report.table(STAGES[name].options, stage.options, f"{key}.options.", none_hint=_no_options(name))
+        out[name] = stage
+    return out
+
+
+def validate(data: dict[str, Any], base_dir: str | os.PathLike, source: str) -> RunConfig:
+    """Check a parsed TOML document; raise ConfigError listing every mistake."""
+    report = Report(source)
+    files = {"base_dir": Path(base_dir).absolute()}     # the context that resolves and checks paths
+    report.unknown_keys(data, "", [*RunConfig.model_fields, "preflight"])
+    head = report.table(_Head, {k: v for k, v in data.items() if k in _Head.model_fields}, "", files)
+    # The stages the pipeline names correctly, even when it has mistakes, so that the checks
+    # that depend on it still run.
+    pipeline = _pipeline_parts(data["pipeline"])[0] if "pipeline" in data else DEFAULT_PIPELINE
+    target, model_cfg = _check_target(report, data, pipeline, files)
+    data_cfg = _check_data(report, data, pipeline, files)
+    pipeline = _with_preflight(report, data, pipeline)
+    n_layers = text_value(model_cfg, "num_hidden_layers") if model_cfg else None
+
+    extract = _section(report, data, "extract", ExtractConfig, {"n_layers": n_layers}) or ExtractConfig()
+    written = data["extract"] if isinstance(data.get("extract"), dict) else {}
+    if "layer_ids" not in written and n_layers is not None:
+        extract = extract.model_copy(update={"layer_ids": default_layer_ids(n_layers)})
+    resources = _section(report, data, "resources", ResourcesConfig) or ResourcesConfig()
+    draft = _section(report, data, "draft", DraftConfig) or DraftConfig()
+    train = _section(report, data, "train", TrainConfig) or TrainConfig()
+    stages = _check_stages(report, data, pipeline)
+
+    # Checks across tables, only between values that passed their own checks (a rejected value
+    # has been reported; its default must not raise a second, misleading error).
+    tp = extract.tensor_parallel_size
+    backend = extract.backend if report.ok("extract.backend") else None
+    if tp > 1 and backend == "hf":
+        report.error("extract.tensor_parallel_size",
+                     f'{tp} needs backend "vllm"; set extract.backend = "vllm" or tensor_parallel_size = 1')
+    devices = resources.devices
+    if isinstance(devices, tuple) and tp > len(devices) and backend == "vllm":
+        report.error("extract.tensor_parallel_size", f"{tp} needs {tp} GPUs but resources.devices lists "
+                                                     f"{len(devices)}; list {tp} devices or lower tensor_parallel_size")
+    target_vocab = text_value(model_cfg, "vocab_size") if model_cfg else None
+    # The default draft vocab matters only to stages that build or train a draft.
+    draft_written = data["draft"] if isinstance(data.get("draft"), dict) else {}
+    uses_draft = {"vocab", "train", "evaluate"} & set(pipeline) or "vocab_size" in draft_written
+    if (uses_draft and _is_int(target_vocab) and report.ok("draft.vocab_size")
+            and draft.vocab_size > target_vocab):
+        report.error("draft.vocab_size", f"{draft.vocab_size} exceeds the target's vocabulary ({target_vocab}); "
+                                         f"use at most {target_vocab}")
+    evaluate = _check_evaluate(report, data, pipeline, data_cfg, devices, files,
+                               tp if report.ok("extract.tensor_parallel_size") else 1)
+
+    if report.errors:
+        raise ConfigError(report.errors)
+    return RunConfig(name=head.name, output_dir=head.output_dir, pipeline=pipeline, target=target, data=data_cfg,
+                     extract=extract, resources=resources, draft=draft, train=train, evaluate=evaluate,
+                     stages=stages)
+
+
+def _check_evaluate(report: Report, data: dict, pipeline: tuple[str, ...], data_cfg: DataConfig | None,
+                    devices: Any, files: dict, extract_tp: int) -> EvaluateConfig:
+    """[evaluate], with tensor_parallel_size defaulting to the run's (extract's) TP size."""
+    ev = _section(report, data, "evaluate", EvaluateConfig, files) or EvaluateConfig()
+    written = data["evaluate"] if isinstance(data.get("evaluate"), dict) else {}
+    if ev.prompts is not None and not os.path.isfile(ev.prompts):
+        what = "is a directory" if os.path.isdir(ev.prompts) else "does not exist"
+        report.error("evaluate.prompts", f"{ev.prompts} {what}; point it at a JSONL file of prompts, or remove "
+                                         "the key to prompt with prepare's validation rows")
+    elif (ev.prompts is None and "prompts" not in written and "evaluate" in pipeline and data_cfg is not None
+          and data_cfg.validation_fraction == 0):
+        report.error("evaluate.prompts", "missing, and data.validation_fraction = 0 holds no rows out to prompt "
+                                         "with; set data.validation_fraction > 0 or evaluate.prompts to a JSONL "
+                                         "prompt file")
+    # A default taken from extract was checked there (it can exceed the devices only with backend
+    # "vllm", which reports it); only a size set here is checked here.
+    if ev.tensor_parallel_size is None:
+        return ev.model_copy(update={"tensor_parallel_size": extract_tp})
+    tp = ev.tensor_parallel_size
+    if "evaluate" in pipeline and isinstance(devices, tuple) and tp > len(devices):
+        report.error("evaluate.tensor_parallel_size", f"{tp} needs {tp} GPUs but resources.devices lists "
+                                                      f"{len(devices)}; list {tp} devices or lower it")
+    return ev
+
+
+def load(path: str | os.PathLike) -> RunConfig:
+    """Read and check a run's TOML file; relative paths in it count from its folder."""
+    return validate(read_toml(path), Path(path).absolute().parent, os.fspath(path))
