@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from daemon_harness import daemon, wait_for  # noqa: F401 - the fixture
 
-from eyas.workers import adapters, config, doctor, doctor_check, doctor_resources, doctor_versions
+from eyas.state import runconfig as config
+from eyas.workers import adapters, doctor, doctor_check, doctor_resources, doctor_versions
 
 EYAS = str(Path(sys.executable).parent / "eyas")
 
