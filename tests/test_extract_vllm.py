@@ -28,7 +28,7 @@ from daemon_harness import Daemon, short_tmp, wait_for
 from safetensors.torch import load_file, save_file
 
 from eyas.daemon import logsplit
-from eyas.state import queries, schema, store
+from eyas.state import queries, runconfig, schema, store
 from eyas.workers import adapters, assets, hswriter, vllm_backend, vllm_layout
 from eyas.workers.progress import ProgressWriter
 from eyas.workers.runtime import RankContext
@@ -274,9 +274,9 @@ def test_engine_args_fix_what_capture_needs_and_refuse_overrides():
         "worker_extension_cls": "eyas.workers.vllm_ext.EyasWorkerExtension"}
     assert args["compilation_config"] == {"custom_ops": ["-rotary_embedding"]}   # MLA on the CPU build
     assert "compilation_config" not in vllm_backend.engine_args("/m", "float32", 1, False, 9, "x", None, {}, True)
-    with pytest.raises(ValueError, match="options.vllm sets enforce_eager, tensor_parallel_size, which eyas sets"):
-        vllm_backend.engine_args("/m", "float32", 1, False, 9, "x", {"tensor_parallel_size": 4,
-                                                                    "enforce_eager": False})
+    # Overriding what eyas sets is refused with the run's options (state/specs.py), before any engine.
+    with pytest.raises(ValueError, match="options.vllm: sets enforce_eager, tensor_parallel_size, which eyas sets"):
+        runconfig.stage_options("extract", {"vllm": {"tensor_parallel_size": 4, "enforce_eager": False}})
     assert vllm_backend.cpu_env(1) == {}
     assert set(vllm_backend.cpu_env(2)) == {"VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"}
     assert vllm_backend.cpu_env(2)["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1
