@@ -7,8 +7,6 @@ the same words.
 from __future__ import annotations
 
 RUN_STATES = ("pending", "running", "succeeded", "failed", "cancelled")
-STAGE_STATES = ("pending", "running", "succeeded", "failed", "cancelled", "skipped")
-ATTEMPT_STATES = ("running", "succeeded", "failed", "cancelled")
 TERMINAL = frozenset({"succeeded", "failed", "cancelled", "skipped"})
 
 _STAGE_MOVES = {

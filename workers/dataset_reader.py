@@ -48,8 +48,6 @@ SKIP_REASONS = (
 # that does not know the role would drop it silently, so it is refused as unknown.
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
 
-FORMATS = ("auto", "sharegpt", "openai", "tokenized")
-
 # A row is refused unread when its JSON text is over max_length × ROW_BYTES_PER_TOKEN bytes
 # (and over ROW_BYTES_MIN). 64 bytes per token is generous for every real form: chat text runs
 # about 4 bytes per token in English and at most ~12 for CJK or emoji escaped as \uXXXX, and a
