@@ -341,7 +341,7 @@ class Core:
         try:
             await asyncio.wait_for(self._decide.acquire(), OP_TIMEOUT)
         except TimeoutError:
-            raise StoreBusy(self.store._busy_text(what)) from None
+            raise StoreBusy(self.store.busy_text(what)) from None
         try:
             yield
         finally:

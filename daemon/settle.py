@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from eyas.state import contract, procs, store
 from eyas.state.contract import ErrorRecord
@@ -40,7 +40,7 @@ class Account:
     exits: list[RankExit]           # every member's exit, recorded again with the settlement
     summary_json: str | None
     ended_at: float                 # when the last member was seen to end
-    exit_fields: list = field(default_factory=list)     # (exit, its ranks row), as the settlement writes them
+    exit_fields: list                # (exit, its ranks row), as the settlement writes them
 
 
 def describe(core, group: Group) -> Account:
@@ -61,7 +61,8 @@ def describe(core, group: Group) -> Account:
     summary = _read_json(group.dir / contract.SUMMARY)
     exits = [r.exit for r in group.ranks if r.exit is not None] + workers
     ended_at = max((ex.time for ex in exits if ex.time), default=time.time())
-    return Account(records, exits, json.dumps(summary) if summary is not None else None, ended_at)
+    return Account(records, exits, json.dumps(summary) if summary is not None else None, ended_at,
+                   [(ex, core._exit_fields(group, ex)) for ex in exits])
 
 
 def _as_recorded(core, group: Group, ex: RankExit | None, rec: ErrorRecord) -> ErrorRecord:
@@ -139,7 +140,6 @@ def settle(core, group: Group, now: float) -> None:
         except Exception:  # the figures are not worth the settlement
             log.exception("final sample of run %s %s failed", group.run_id, group.stage)
         group.account = describe(core, group)
-        group.account.exit_fields = [(ex, core._exit_fields(group, ex)) for ex in group.account.exits]
     # Decided now, on the loop: whether the disk was full is a question about this moment.
     records = [_as_recorded(core, group, ex, rec) for ex, rec in group.account.records]
     what = f"recording the end of run {group.run_id} {group.stage} attempt {group.attempt} in eyas.db"

@@ -70,20 +70,20 @@ class _Job:
     state: str = "queued"           # queued -> running -> done; or queued -> abandoned
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def start(self) -> bool:
+    def _leave_queue(self, to: str) -> bool:
+        """Move a queued job to `to` ("running" or "abandoned"); False if it had left already."""
         with self.lock:
             if self.state != "queued":
                 return False
-            self.state = "running"
+            self.state = to
             return True
+
+    def start(self) -> bool:
+        return self._leave_queue("running")
 
     def abandon(self) -> bool:
         """Take the job back if it has not started: True when it never will."""
-        with self.lock:
-            if self.state != "queued":
-                return False
-            self.state = "abandoned"
-            return True
+        return self._leave_queue("abandoned")
 
 
 class Writer:
@@ -133,7 +133,7 @@ class Writer:
             return await future
         done, _ = await asyncio.wait({future}, timeout=timeout)
         if not done and job.abandon():
-            raise StoreBusy(self._busy_text(what))
+            raise StoreBusy(self.busy_text(what))
         # Started before the deadline: it ends by the deadline plus one try (it checks it).
         return await future
 
@@ -164,7 +164,8 @@ class Writer:
         thread.join(timeout)
         return not thread.is_alive()
 
-    def _busy_text(self, what: str) -> str:
+    def busy_text(self, what: str) -> str:
+        """The refusal of `what` while another process holds the database locked."""
         busy = self.busy
         since = f" for {time.time() - busy.since:.1f} s" if busy else ""
         return (f"store busy: another process holds the database locked{since}; {what} was not done "
@@ -192,7 +193,7 @@ class Writer:
             except Exception as exc:  # noqa: BLE001 - handed to the job's future
                 if is_busy(exc):
                     if job.deadline is not None and time.time() >= job.deadline:
-                        self._deliver(job, error=StoreBusy(self._busy_text(job.what)))
+                        self._deliver(job, error=StoreBusy(self.busy_text(job.what)))
                         return
                     self._note_busy(job, exc)
                     time.sleep(delay)
