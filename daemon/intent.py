@@ -30,7 +30,7 @@ import psutil
 from eyas.state import contract
 
 from . import watchdog
-from .supervisor import Group
+from .group import Group
 
 log = logging.getLogger("eyas.daemon.intent")
 

@@ -9,8 +9,7 @@ then what follows it.
 from __future__ import annotations
 
 from eyas.state.logcut import Tail
-
-from .protocol import MAX_LOG_CHUNK
+from eyas.wire.protocol import MAX_LOG_CHUNK
 
 
 class LogTail:

@@ -1,7 +1,7 @@
-"""Tail a rank's `rank-<r>.progress.jsonl`: the records appended since a byte offset.
+"""Read a rank's `rank-<r>.progress.jsonl` as it grows: the JSON records of the complete lines after the last read, through state/logcut.Tail (so a truncated or replaced file is noticed).
 
-Hand-written rather than a library: it is a dozen lines of stdlib, and the only subtle
-rules are the ones below (whole lines only, bad lines counted, truncation restarts).
+Bad lines (not a JSON object) are skipped and counted; a half-written last line waits for
+the next read.
 """
 
 from __future__ import annotations
@@ -9,48 +9,65 @@ from __future__ import annotations
 import json
 import os
 
+from eyas.state.logcut import Tail
+
 # A first read of a long run's file (say, after a daemon restart) is split over several
 # 1 Hz samples, so no single sample stalls on megabytes of JSON.
 MAX_BYTES = 4 << 20
 
 
-def read_new(path: str | os.PathLike[str], offset: int, max_bytes: int = MAX_BYTES
-             ) -> tuple[list[dict], int, int]:
-    """Records (JSON objects) from complete lines after `offset`: (records, new_offset, bad).
-
-    A half-written last line stays for the next call. A line that is not a JSON object is
-    skipped and counted in `bad`. A missing file gives ([], offset, 0); a file shorter than
-    `offset` was truncated or replaced, so reading restarts from 0.
-    """
+def _records(lines: list[bytes]) -> tuple[list[dict], int]:
     records: list[dict] = []
     bad = 0
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        return records, offset, 0
-    with f:
-        if os.fstat(f.fileno()).st_size < offset:
-            offset = 0
-        f.seek(offset)
-        start = offset
-        for line in f:
-            if not line.endswith(b"\n"):
-                if len(line) >= max_bytes:
-                    # No writer makes such a line: skip it as bad rather than stall on it.
-                    offset += len(line)
-                    bad += 1
-                break  # otherwise it is still being written
-            offset += len(line)
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except ValueError:  # includes UnicodeDecodeError
-                    record = None
-                if isinstance(record, dict):
-                    records.append(record)
-                else:
-                    bad += 1
-            if offset - start >= max_bytes:
-                break
-    return records, offset, bad
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:  # includes UnicodeDecodeError
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            bad += 1
+    return records, bad
 
+
+class ProgressReader:
+    """One progress file, read on from where the last read stopped; `restarts` counts the
+    times it was truncated or replaced (what was read before is void then)."""
+
+    def __init__(self, path: str | os.PathLike[str], offset: int = 0, max_bytes: int = MAX_BYTES):
+        self.tail = Tail(path, offset)
+        self.max_bytes = max_bytes
+
+    @property
+    def offset(self) -> int:
+        return self.tail.offset or 0
+
+    @property
+    def restarts(self) -> int:
+        return self.tail.restarts
+
+    def read(self) -> tuple[list[dict], int]:
+        """(records, bad lines) since the last read."""
+        lines, skipped = self.tail.lines(self.max_bytes)
+        records, bad = _records(lines)
+        return records, bad + skipped
+
+    def close(self) -> None:
+        self.tail.close()
+
+
+def read_new(path: str | os.PathLike[str], offset: int, max_bytes: int = MAX_BYTES
+             ) -> tuple[list[dict], int, int]:
+    """Records (JSON objects) from complete lines after `offset`, once: (records, new_offset, bad).
+
+    A missing file gives ([], offset, 0); a file shorter than `offset` was truncated or
+    replaced, so reading restarts from 0."""
+    reader = ProgressReader(path, offset, max_bytes)
+    try:
+        records, bad = reader.read()
+        return records, reader.offset, bad
+    finally:
+        reader.close()

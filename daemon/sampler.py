@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 
-from eyas.daemon.progressfile import read_new
+from eyas.daemon.progressfile import ProgressReader
 from eyas.state.procs import same_start
 from eyas.workers.nvml import GpuProbe
 
@@ -106,11 +106,16 @@ class _Progress:
 
     def __init__(self, path: Path, window_s: float):
         self.path = path
-        self.offset = 0
+        self.reader = ProgressReader(path)
+        self.window_s = window_s
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what the file said: it was truncated or replaced."""
         self.bad = 0
         self.counts: dict[str, float] = {}
-        self.tokens = _Series(window_s)
-        self.samples = _Series(window_s)
+        self.tokens = _Series(self.window_s)
+        self.samples = _Series(self.window_s)
 
 
 def _number(value: Any) -> float | None:
@@ -156,7 +161,9 @@ class Sampler:
         """Drop everything kept for an attempt's ranks (call when its group has ended)."""
         for cache in (self._trees, self._progress, self._peak):
             for key in [k for k in cache if k[0] == attempt_id]:
-                del cache[key]
+                gone = cache.pop(key)
+                if isinstance(gone, _Progress):
+                    gone.reader.close()
 
     def close(self) -> None:
         self.gpu.shutdown()
@@ -293,11 +300,13 @@ class Sampler:
         if prog is None or prog.path != path:
             if not path.exists():
                 return None
+            if prog is not None:
+                prog.reader.close()
             prog = self._progress[key] = _Progress(path, self.rate_window_s)
-        records, offset, bad = read_new(prog.path, prog.offset)
-        if offset < prog.offset:  # truncated or replaced: what we knew is void
-            prog = self._progress[key] = _Progress(path, self.rate_window_s)
-        prog.offset = offset
+        restarts = prog.reader.restarts
+        records, bad = prog.reader.read()
+        if prog.reader.restarts != restarts:  # truncated or replaced: what we knew is void
+            prog.reset()
         if bad:
             if not prog.bad:
                 self.log.warning("progress file %s: corrupt line skipped (the rank writes bad JSON)",

@@ -19,17 +19,15 @@ import logging
 import time
 from dataclasses import dataclass
 
-from eyas.state import contract, procs, store
+from eyas.state import contract, store
 from eyas.state.contract import ErrorRecord
 
-from . import diskfull, watchdog
-from .supervisor import Group, RankExit, _read_json, describe_failure, log_tail
+from . import diskfull, failures, watchdog
+from .failures import who
+from .group import Group
+from .ranks import RankExit, read_json
 
 log = logging.getLogger("eyas.daemon.settle")
-
-
-def who(ex: RankExit) -> str:
-    return f"TP rank {ex.tp_rank}" if ex.tp_rank is not None else f"rank {ex.rank}"
 
 
 @dataclass
@@ -47,45 +45,14 @@ def describe(core, group: Group) -> Account:
     """Read the group's end: error records, root cause first (the watchdog's stall record
     before the ranks' own failures; a straggler's record in time order)."""
     workers = group.settle_workers()
-    failures = group.failures()
-    records = [(ex, describe_failure(group, ex, core.host)) for ex in failures]
-    stuck = watchdog.record(group, core.host)
-    if stuck is not None and group.stuck["kind"] == "stall":
-        # The ranks' own failures, if any, came after the daemon gave up on them.
-        records.insert(0, (None, stuck))
-    elif stuck is not None:
-        # A straggler's own exception, raised before it hung on its way out, stays the cause.
-        records = sorted([*records, (None, stuck)], key=lambda pair: pair[1].time)
+    records = failures.ordered(group, core.host, watchdog.record(group, core.host))
     # The stage's summary is its last finished attempt's, a failed one's included (evaluate
     # records its figures, then fails on a lossless mismatch: the figures stay beside the error).
-    summary = _read_json(group.dir / contract.SUMMARY)
+    summary = read_json(group.dir / contract.SUMMARY)
     exits = [r.exit for r in group.ranks if r.exit is not None] + workers
     ended_at = max((ex.time for ex in exits if ex.time), default=time.time())
     return Account(records, exits, json.dumps(summary) if summary is not None else None, ended_at,
                    [(ex, core._exit_fields(group, ex)) for ex in exits])
-
-
-def _as_recorded(core, group: Group, ex: RankExit | None, rec: ErrorRecord) -> ErrorRecord:
-    """One failure's error record as it is written; a rank whose exit or error file is missing
-    because the state directory was full is named for that, not as a plain exit code or a lost
-    rank. Decided at each try: the settlement's own write may be what shows the disk full."""
-    if ex is None or ex.tp_rank is not None or ex.error is not None or ex.signal is not None or not _was_full(core, group):
-        return rec
-    missing = [name for name in (contract.rank_file(ex.rank, contract.EXIT), contract.rank_file(ex.rank, contract.ERROR))
-               if not (group.dir / name).exists()]
-    if not missing:
-        return rec
-    how = f"exited with code {ex.exit_code}" if ex.exit_code is not None else "ended"
-    return rec.replace(type="ENOSPC", source="disk_full", path=str(group.dir / missing[0]),
-                       message=f"ENOSPC while writing {' and '.join(missing)}: the state directory {core.home} "
-                               f"was full (no space left on device); rank {ex.rank} (pid {ex.pid}) {how}",
-                       traceback=rec.traceback or log_tail(group.rank_of(ex.rank).log_path))
-
-
-def _was_full(core, group: Group) -> bool:
-    disk = core.disk
-    return (disk.full or (disk.seen_at is not None and disk.seen_at >= group.started_at - procs.CREATE_TIME_SLACK_S)
-            or disk.low(group.dir))
 
 
 def record(core, db, group: Group, account: Account, records: list[ErrorRecord]) -> None:
@@ -141,7 +108,7 @@ def settle(core, group: Group, now: float) -> None:
             log.exception("final sample of run %s %s failed", group.run_id, group.stage)
         group.account = describe(core, group)
     # Decided now, on the loop: whether the disk was full is a question about this moment.
-    records = [_as_recorded(core, group, ex, rec) for ex, rec in group.account.records]
+    records = [failures.as_recorded(core, group, ex, rec) for ex, rec in group.account.records]
     what = f"recording the end of run {group.run_id} {group.stage} attempt {group.attempt} in eyas.db"
     group.settling = True
     # Queued now: after the final sample and any stop already queued, before anything later.

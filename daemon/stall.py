@@ -19,9 +19,9 @@ import os
 from pathlib import Path
 
 from eyas.state import contract
+from eyas.wire.stacks import report
 
-from .stacks import report
-from .supervisor import tail_text
+from .ranks import tail_text
 
 
 def activity(directory: Path) -> tuple:
@@ -65,7 +65,7 @@ def last_heartbeat(directory: Path) -> dict | None:
 
 
 def error_record(group, host: str) -> contract.ErrorRecord:
-    """The root-cause error of a stalled attempt (a supervisor.Group whose `stuck` is a stall)."""
+    """The root-cause error of a stalled attempt (a daemon.group.Group whose `stuck` is a stall)."""
     stuck = group.stuck
     asked = stuck.get("asked", [])
     live = [a for a in asked if a.get("skipped") != "not running"]

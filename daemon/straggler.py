@@ -18,8 +18,7 @@ native and Python stacks as its traceback.
 from __future__ import annotations
 
 from eyas.state import contract
-
-from .stacks import report
+from eyas.wire.stacks import report
 
 
 def check(group, now: float) -> dict | None:
@@ -41,7 +40,7 @@ def check(group, now: float) -> dict | None:
 
 
 def error_record(group, host: str) -> contract.ErrorRecord:
-    """The error of a straggling rank (a supervisor.Group whose `stuck` is a straggler)."""
+    """The error of a straggling rank (a daemon.group.Group whose `stuck` is a straggler)."""
     stuck = group.stuck
     asked = stuck.get("asked", [])
     mine = next((a for a in asked if a.get("rank") == stuck["rank"] and a.get("role") != "tp-worker"), None)

@@ -20,7 +20,7 @@ _RULES = {"straggler": straggler, "stall": stall}
 
 
 def check(groups, now: float) -> list:
-    """The groups (supervisor.Group) found stuck on this look, each with its `stuck` record
+    """The groups (daemon.group.Group) found stuck on this look, each with its `stuck` record
     set (so they count as collecting); the caller reports them and runs end() for each."""
     found = []
     for group in groups:

@@ -1,7 +1,7 @@
 """The rank contract, in one place: the environment the daemon gives each rank process and the
 files that ranks, their monitors and vLLM's TP workers leave in their attempt's directory.
 
-Every producer (workers/runtime.py, workers/monitor.py, workers/vllm_ext.py, the stages) and
+Every producer (workers/runtime/rank.py, workers/runtime/monitor.py, workers/vllm/ext.py, the stages) and
 every reader (the daemon's supervisor, settlement, sampler and watchdog; the CLI's logs; the
 TUI) builds these names here, so that the two sides cannot drift apart. torchelastic keeps its
 error-file contract the same way (`TORCHELASTIC_ERROR_FILE`, `ProcessFailure`).
@@ -10,7 +10,7 @@ An attempt's directory, `<state>/runs/<id>/<stage>/attempt-<n>/`, holds per rank
 - `rank-<r>.log`             stdout and stderr of the rank (its monitor bounds it: state/logcut.py)
 - `rank-<r>.cut.json`        where the log was cut, once it was (state/logcut.py)
 - `rank-<r>.proc.json`       the monitor's and the rank's pids and start times, written at start
-- `rank-<r>.progress.jsonl`  progress records the daemon samples (workers/progress.py)
+- `rank-<r>.progress.jsonl`  progress records the daemon samples (workers/runtime/progress.py)
 - `rank-<r>.error.json`      the uncaught exception, written by the rank (or its monitor)
 - `rank-<r>.done.json`       the stage function returned and its outputs are durable
 - `rank-<r>.exit.json`       the exit status, written by the monitor after reaping the rank

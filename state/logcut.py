@@ -136,6 +136,7 @@ class Tail:
         self.path = Path(path)
         self.offset = offset
         self.cuts = 0
+        self.restarts = 0       # cuts and replacements: what was read before is not the file any more
         self._fd: int | None = None
         self._ino: tuple[int, int] | None = None
         self._before: bytes | None = None   # the bytes just before `offset`, as last read
@@ -157,6 +158,7 @@ class Tail:
         self._fd, self._ino = fd, ino
         if replaced:                        # another file under the name: all of it is new
             self.offset, self._before = 0, b""
+            self.restarts += 1
         return st
 
     def _moved(self, size: int) -> bool:
@@ -168,22 +170,29 @@ class Tail:
             return False
         return not still_there(self._fd, self.offset, self._before)
 
-    def read(self, final: bool = False, limit: int = CHUNK) -> bytes:
-        """The next complete lines (at most `limit` bytes; a longer line comes in pieces); b""
-        when there are none yet. With `final`, a last line without its newline too. After a
-        cut the text starts at the marker line."""
+    def _find_place(self) -> int | None:
+        """Open (or reopen) the file and put `offset` where reading goes on: its size, or None
+        when the file cannot be read."""
         st = self._open()
         if st is None:
-            return b""
+            return None
         size = st.st_size
         if self.offset is None:
             self.offset = size
         if self._moved(size):
             self.cuts += 1
+            self.restarts += 1
             head = read_cut(self.path).get("head")
             self.offset = head if isinstance(head, int) and 0 <= head <= size else 0
             self._before = os.pread(self._fd, min(CHECK, self.offset), self.offset - min(CHECK, self.offset))
-        if size <= self.offset:
+        return size
+
+    def read(self, final: bool = False, limit: int = CHUNK) -> bytes:
+        """The next complete lines (at most `limit` bytes; a longer line comes in pieces); b""
+        when there are none yet. With `final`, a last line without its newline too. After a
+        cut the text starts at the marker line."""
+        size = self._find_place()
+        if size is None or size <= self.offset:
             return b""
         data = os.pread(self._fd, min(size - self.offset, limit), self.offset)
         end = len(data) if final and self.offset + len(data) >= size else data.rfind(b"\n") + 1
@@ -195,6 +204,32 @@ class Tail:
         self.offset += end
         self._before = remember(self._before, data)
         return data
+
+    def lines(self, max_bytes: int = CHUNK) -> tuple[list[bytes], int]:
+        """The next whole lines, each complete however long, until `max_bytes` have been read:
+        (lines, skipped). A last line without its newline waits for the next call, unless it is
+        already `max_bytes` long: no writer of a record makes such a line, so it is skipped
+        and counted rather than waited on for ever."""
+        size = self._find_place()
+        if size is None or size <= self.offset:
+            return [], 0
+        found: list[bytes] = []
+        skipped, start = 0, self.offset
+        with os.fdopen(os.dup(self._fd), "rb") as f:
+            f.seek(self.offset)
+            for line in f:
+                if not line.endswith(b"\n"):
+                    if len(line) >= max_bytes:
+                        self.offset += len(line)
+                        skipped += 1
+                    break
+                self.offset += len(line)
+                found.append(line)
+                if self.offset - start >= max_bytes:
+                    break
+        if self.offset != start:
+            self._before = os.pread(self._fd, min(CHECK, self.offset), self.offset - min(CHECK, self.offset))
+        return found, skipped
 
     def close(self) -> None:
         if self._fd is not None:

@@ -9,11 +9,8 @@ against the filesystem (the target's config.json, the dataset, tensor parallelis
 devices) run after the tables, between the values that passed their own checks. Workers get the
 resolved config back as JSON (`RunConfig.to_dict()` / `RunConfig.from_dict()`).
 
-No torch: the daemon and `eyas validate` import this module; the target's config.json is read with
-`json`, not transformers, for the same reason.
-
-Over 500 lines: the models, the value checks their declarations cannot state and validate() are one
-contract, read together.
+No torch: the daemon and `eyas validate` import this module; what it reads of the target's
+config.json is state/target.py's, with `json`, not transformers, for the same reason.
 """
 
 from __future__ import annotations
@@ -28,7 +25,8 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo
 
 from eyas.state.specs import DEFAULT_PIPELINE, STAGES, Table
-from eyas.state.tomlcheck import ConfigError, Report, describe, read_toml
+from eyas.state.target import default_layer_ids, layer_id_errors, num_hidden_layers, read_model_config, text_value
+from eyas.state.tomlcheck import ConfigError, Report, describe, is_int, read_toml
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 DataFormat = Literal["auto", "sharegpt", "openai", "tokenized"]
@@ -45,10 +43,6 @@ _NAME_CHARS = re.compile(r"[A-Za-z0-9._-]+")
 
 # --- the value checks pydantic's declarations cannot say: each raises ValueError("problem; fix"),
 # several problems of one value on several lines -------------------------------------------------
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)     # TOML true is not 1
-
 
 def _name(name: str) -> str:
     if not name:
@@ -102,33 +96,6 @@ def _pipeline(value: Any) -> tuple[str, ...]:
     return stages
 
 
-def layer_id_errors(value: Any, n: int | None) -> list[str]:
-    """What is wrong with a list of layer ids for an `n`-layer target (None: depth unknown), one
-    "problem; fix" line each; [] when nothing is."""
-    if not isinstance(value, (list, tuple)):
-        return [f"expected an array of layer ids, got {describe(value)}"]
-    bad = [v for v in value if not _is_int(v)]
-    if bad:
-        return [f"expected integers, got {describe(bad[0])}"]
-    errors = []
-    if len(value) < 2:
-        errors.append(f"{len(value)} id given; list at least 2 (EAGLE-3 fuses several layers), e.g. [2, N//2, N-3, N]")
-    for v in value:
-        if n is not None and not 0 <= v <= n:
-            errors.append(f"{v} is out of range 0..{n} for a {n}-layer target; "
-                          f"use ids from 0 to {n} ({n} is the final pre-norm output)")
-        elif v < 0:
-            errors.append(f"{v} is out of range; layer ids count from 0")
-    # The suggested fix keeps only the ids that are in range.
-    fixed = sorted({v for v in value if v >= 0 and (n is None or v <= n)})
-    seen = set()
-    for v in value:
-        if v in seen:
-            errors.append(f"{v} is listed twice; list each id once, e.g. {fixed}")
-        seen.add(v)
-    if len(seen) == len(value) and list(value) != sorted(value):
-        errors.append(f"{list(value)} is not in ascending order; write {fixed}")
-    return errors
 
 
 def _layer_ids(value: Any, info: ValidationInfo) -> Any:
@@ -153,7 +120,7 @@ def _devices(value: Any) -> Any:
         raise ValueError(f"empty; {fix}")
     problems, seen = [], set()
     for d in value:
-        if not _is_int(d):
+        if not is_int(d):
             problems.append(f"expected GPU indices (integers), got {describe(d)}")
         elif d < 0:
             problems.append(f"{d} is not a GPU index; use non-negative integers like [0, 1]")
@@ -322,36 +289,12 @@ def stage_options(stage: str, options: dict[str, Any]) -> Any:
     return model
 
 
-def default_layer_ids(n: int) -> tuple[int, ...]:
-    """[2, N//2, N-3, N] (EAGLE-3's low, middle, high layers plus the last hidden state),
-    clipped to 0..N and deduplicated so that shallow test targets still get a valid list."""
-    return tuple(sorted({min(max(i, 0), n) for i in (2, n // 2, n - 3, n)}))
 
 
-def read_model_config(target_path: str | os.PathLike) -> dict[str, Any]:
-    """The target's config.json as a dict (OSError / json.JSONDecodeError on a bad file)."""
-    with open(Path(target_path) / "config.json", encoding="utf-8") as f:
-        cfg = json.load(f)
-    if not isinstance(cfg, dict):
-        raise ValueError("config.json does not hold a JSON object")
-    return cfg
 
 
-def text_value(model_cfg: dict[str, Any], key: str) -> Any:
-    """`key` of the language model: multimodal wrappers (e.g. KimiK25ForConditionalGeneration)
-    keep it under text_config."""
-    if key in model_cfg:
-        return model_cfg[key]
-    text = model_cfg.get("text_config")
-    return text.get(key) if isinstance(text, dict) else None
 
 
-def num_hidden_layers(target_path: str | os.PathLike) -> int:
-    """The target's decoder depth N, from config.json (or its text_config)."""
-    n = text_value(read_model_config(target_path), "num_hidden_layers")
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError("config.json has no num_hidden_layers (nor text_config.num_hidden_layers)")
-    return n
 
 
 
@@ -501,7 +444,7 @@ def validate(data: dict[str, Any], base_dir: str | os.PathLike, source: str) -> 
     # The default draft vocab matters only to stages that build or train a draft.
     draft_written = data["draft"] if isinstance(data.get("draft"), dict) else {}
     uses_draft = {"vocab", "train", "evaluate"} & set(pipeline) or "vocab_size" in draft_written
-    if (uses_draft and _is_int(target_vocab) and report.ok("draft.vocab_size")
+    if (uses_draft and is_int(target_vocab) and report.ok("draft.vocab_size")
             and draft.vocab_size > target_vocab):
         report.error("draft.vocab_size", f"{draft.vocab_size} exceeds the target's vocabulary ({target_vocab}); "
                                          f"use at most {target_vocab}")

@@ -33,8 +33,8 @@ def _engine_args(fixed: tuple[str, ...], why: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-# The engine arguments each stage sets itself: keep them in step with vllm_backend.engine_args() and
-# the engine arguments of workers/vllm_eval.py.
+# The engine arguments each stage sets itself: keep them in step with eyas.workers.vllm.backend.engine_args() and
+# the engine arguments of workers/evaluate/engines.py.
 EXTRACT_ENGINE_ARGS = ("model", "tokenizer", "tensor_parallel_size", "pipeline_parallel_size", "dtype",
                        "enforce_eager", "enable_prefix_caching", "worker_extension_cls",
                        "distributed_executor_backend", "skip_tokenizer_init", "trust_remote_code")
@@ -55,7 +55,7 @@ def _class_name(name: str) -> str:
 
 
 class ExtractOptions(Table):
-    """[stages.extract] options (workers/stages/extract.py, workers/vllm_backend.py)."""
+    """[stages.extract] options (workers/stages/extract.py, workers/vllm/backend.py)."""
 
     vllm: Annotated[dict[str, Any], _engine_args(EXTRACT_ENGINE_ARGS, "tensor_parallel_size: "
                                                  "extract.tensor_parallel_size; dtype: target.dtype")] | None = None
@@ -167,4 +167,4 @@ DEFAULT_PIPELINE = ("prepare", "extract", "vocab", "train", "evaluate")
 
 def argv(python: str) -> list[str]:
     """The command line of one rank: the rank monitor, which runs the rank runtime."""
-    return [python, "-m", "eyas.workers.monitor"]
+    return [python, "-m", "eyas.workers.runtime.monitor"]

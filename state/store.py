@@ -256,6 +256,28 @@ def insert_metrics(db, rows: list[dict[str, Any]]) -> None:
             db["metrics"].insert_all(rows, batch_size=500)
 
 
+def write_metrics(db, buf: dict) -> None:
+    """One second (or, behind a lock, many) of samples: the raw rows, each rank's roll-up
+    fields, and the stages' and runs' roll-ups (buf["stages"]: attempt id -> (run id, stage))."""
+    insert_metrics(db, buf["rows"])
+    for (attempt_id, rank), fields in buf["ranks"].items():
+        db.execute("UPDATE ranks SET " + ", ".join(f"{k} = ?" for k in fields) + " WHERE attempt_id = ? AND rank = ?",
+                   [*fields.values(), attempt_id, rank])
+    for attempt_id, (run_id, stage) in buf["stages"].items():
+        # History keeps the steady figure: the sum of the ranks' mean rates over the
+        # attempt, not the instantaneous rate that the live views show.
+        tok_s, peak = db.execute("SELECT sum(tok_s), max(peak_gpu_mem) FROM ranks WHERE attempt_id = ?",
+                                 [attempt_id]).fetchone()
+        if tok_s is not None:
+            db.execute("UPDATE stages SET tok_s = ? WHERE run_id = ? AND name = ?", [tok_s, run_id, stage])
+            db.execute("UPDATE runs SET tok_s = ? WHERE id = ?", [tok_s, run_id])
+        if peak is not None:
+            db.execute("UPDATE stages SET peak_gpu_mem = max(coalesce(peak_gpu_mem, 0), ?) "
+                       "WHERE run_id = ? AND name = ?", [peak, run_id, stage])
+            db.execute("UPDATE runs SET peak_gpu_mem = max(coalesce(peak_gpu_mem, 0), ?) WHERE id = ?",
+                       [peak, run_id])
+
+
 def prune_metrics(db, *, max_age_s: float, max_rows: int, now: float | None = None) -> int:
     """Retention: drop samples older than `max_age_s`, then the oldest beyond `max_rows`.
 

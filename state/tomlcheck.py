@@ -45,6 +45,11 @@ _EXPECTED = {"int_type": ("an integer", "integers"), "float_type": ("a number", 
 _RANGE = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"}
 
 
+def is_int(v: Any) -> bool:
+    """An integer as TOML writes one: `true` is not 1."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def describe(value: Any) -> str:
     """`string '1e-4x'`, `integer 3`, `a table`: how the TOML value looks to its author."""
     if isinstance(value, dict):

@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from eyas.daemon.client import Client, DaemonError, DaemonNotRunning
 from eyas.state import paths, queries, store
+from eyas.wire.client import Client, DaemonError, DaemonNotRunning
 
 EYAS = str(Path(sys.executable).with_name("eyas"))
 

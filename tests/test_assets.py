@@ -1,5 +1,5 @@
 """The test and demo assets: built whole or not at all, rebuilt when built another way, and the
-demo target's fitted output head (eyas.workers.assets.fit_to_chats)."""
+demo target's fitted output head (eyas.workers.models.assets.fit_to_chats)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import pytest
 from safetensors.torch import load_file
 
-from eyas.workers import assets
+from eyas.workers.models import assets
 
 # Builds models and starts engines: `pytest -m "not slow"` leaves it out.
 pytestmark = pytest.mark.slow

@@ -23,14 +23,13 @@ from eyas.state.runconfig import (
     StageConfig,
     TargetConfig,
     TrainConfig,
-    default_layer_ids,
     load,
-    num_hidden_layers,
     stage_options,
     stage_settings,
     stage_world_size,
 )
 from eyas.state.specs import DEFAULT_PIPELINE
+from eyas.state.target import default_layer_ids, num_hidden_layers
 
 EXAMPLES = Path(eyas.workers.__file__).parent / "examples"
 # The console script of the venv running the tests (/work/main/.venv/bin/eyas here).
@@ -594,7 +593,7 @@ def test_the_demo_example_points_at_assets_beside_it():
 
 
 def test_config_check_imports_no_ml_stack():
-    code = ("import sys, eyas.daemon.configcheck, eyas.state.runconfig; "
+    code = ("import sys, eyas.cli.configcheck, eyas.state.runconfig; "
             "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'textual') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"

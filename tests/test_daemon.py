@@ -14,8 +14,8 @@ import psutil
 import pytest
 from daemon_harness import Daemon, daemon, selftest_toml, short_tmp, wait_for  # noqa: F401 (fixture)
 
-from eyas.daemon.client import Client, DaemonError
 from eyas.state import paths
+from eyas.wire.client import Client, DaemonError
 
 
 def _alive(pid: int) -> bool:
@@ -238,7 +238,7 @@ def test_stacks_of_a_hung_stage_are_printed_and_the_ranks_live_on(daemon):
         # The hung frame itself: selftest's sleep loop, called from the runtime's entry.
         assert 'selftest.py", line' in block and " in _fail\n" in block, block
         assert "hanging" not in block  # only faulthandler's lines, not the log's other output
-        assert 'runtime.py", line' in block
+        assert 'runtime/rank.py", line' in block
     # The dump is in the logs too, and the ranks are still there, still hung.
     assert all("Current thread 0x" in p.read_text() for p in logs)
     assert all(_alive(p) for p in pids)
@@ -514,8 +514,9 @@ def test_submit_follow_streams_until_the_run_ends(daemon):
 
 
 async def test_an_internal_error_in_an_op_is_not_passed_off_as_the_callers_mistake(tmp_path):
-    from eyas.daemon import core, protocol
+    from eyas.daemon import core
     from eyas.state import store
+    from eyas.wire import protocol
 
     c = core.Core(store.open_writer(tmp_path / "e.db"), tmp_path)
     with pytest.raises(protocol.ProtocolError) as err:

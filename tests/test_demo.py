@@ -144,7 +144,7 @@ def test_ctrl_c_while_the_assets_are_built_leaves_nothing_behind():
     def building() -> bool:
         for p in psutil.process_iter(["cmdline"]):
             try:
-                if "eyas.workers.assets" in (p.info["cmdline"] or []) and p.ppid() == proc.pid:
+                if "eyas.workers.models.assets" in (p.info["cmdline"] or []) and p.ppid() == proc.pid:
                     return True
             except psutil.Error:
                 pass

@@ -15,8 +15,8 @@ import psutil
 import pytest
 from daemon_harness import Daemon, selftest_toml, short_tmp, wait_for
 
-from eyas.daemon.client import DaemonError
 from eyas.state import paths
+from eyas.wire.client import DaemonError
 
 SIZE_MB = 15
 # What the ranks' logs are left to fill: the test writes a filler for the rest, so that the

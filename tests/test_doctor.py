@@ -16,7 +16,11 @@ import pytest
 from daemon_harness import daemon, wait_for  # noqa: F401 - the fixture
 
 from eyas.state import runconfig as config
-from eyas.workers import adapters, doctor, doctor_check, doctor_resources, doctor_versions
+from eyas.workers.doctor import check as doctor_check
+from eyas.workers.doctor import main as doctor
+from eyas.workers.doctor import resources as doctor_resources
+from eyas.workers.doctor import versions as doctor_versions
+from eyas.workers.models import adapters
 
 EYAS = str(Path(sys.executable).parent / "eyas")
 
@@ -42,7 +46,7 @@ H200 = 150_000_000_000
 @pytest.fixture(scope="module")
 def tokenizer_files(tmp_path_factory) -> Path:
     """A small byte-level BPE tokenizer with a {% generation %} chat template, built once."""
-    from eyas.workers.assets import build_tokenizer
+    from eyas.workers.models.assets import build_tokenizer
 
     out = tmp_path_factory.mktemp("tok")
     build_tokenizer(out)
@@ -226,7 +230,7 @@ def test_an_adapter_expectation_broken_on_purpose_fails_with_its_fix(tmp_path, m
         "fail", "DeepseekV2Model has embed_input_ids, no get_input_embeddings: the vllm adapter calls "
                 "get_input_embeddings()",
         "make the vllm adapter call embed_input_ids(): set API['vllm']['embed'] = 'embed_input_ids' in "
-        "eyas/workers/adapters.py")
+        "eyas/workers/models/adapters.py")
     monkeypatch.setitem(adapters.API["vllm"], "embed", "embed_input_ids")
     monkeypatch.setitem(adapters.STREAM_PARAMS, "vllm", ("hidden_states", "residual_stream"))
     layer = by_label(doctor.diagnose(run))["adapter: layer forward"]
@@ -235,7 +239,7 @@ def test_an_adapter_expectation_broken_on_purpose_fails_with_its_fix(tmp_path, m
                 "torch.Tensor | None, llama_4_scaling: torch.Tensor | None = None) -> torch.Tensor has no "
                 "'residual_stream' parameter: the vllm tap reads the residual stream entering a decoder layer as "
                 "hidden_states + residual",
-        "add DeepseekV2DecoderLayer's family to eyas/workers/adapters.py: the vllm tap needs hidden_states and "
+        "add DeepseekV2DecoderLayer's family to eyas/workers/models/adapters.py: the vllm tap needs hidden_states and "
         "residual_stream in the decoder layer's forward")
 
 
@@ -250,7 +254,7 @@ def test_an_adapter_path_that_leads_nowhere_fails(tmp_path, monkeypatch, tokeniz
         "fail", "LlamaForCausalLM has no decoder at transformer (transformer: LlamaForCausalLM.transformer: no "
                 "__init__ of LlamaForCausalLM (or its bases) assigns self.transformer)",
         "add the path to LlamaForCausalLM's decoder (the module holding layers and norm) to the 'llama' adapter's "
-        "decoder_paths in eyas/workers/adapters.py")
+        "decoder_paths in eyas/workers/models/adapters.py")
 
 
 @pytest.mark.parametrize("ids, detail, fix", [

@@ -9,8 +9,9 @@ from pathlib import Path
 from test_prepare import write_huge_line_dataset
 
 from eyas.state.runconfig import DataConfig
-from eyas.workers import assets, doctor_data
-from eyas.workers.dataset_reader import ARRAY_MAX_BYTES
+from eyas.workers.data.reader import ARRAY_MAX_BYTES
+from eyas.workers.doctor import data as doctor_data
+from eyas.workers.models import assets
 
 CHAT = {"messages": [{"role": "user", "content": "Hi there."}, {"role": "assistant", "content": "Hello."}]}
 

@@ -25,9 +25,9 @@ import pytest
 from train_pipeline import build_inputs, copy_inputs, progress_records, run_stage, summary
 
 from eyas.state.runconfig import ConfigError, stage_options, validate
-from eyas.workers import eval_report
+from eyas.workers.evaluate import report as eval_report
+from eyas.workers.evaluate.engines import EngineFailed, Spec, measure
 from eyas.workers.stages import evaluate, train
-from eyas.workers.vllm_eval import EngineFailed, Spec, measure
 
 # Builds models and starts engines: `pytest -m "not slow"` leaves it out.
 pytestmark = pytest.mark.slow
@@ -162,7 +162,7 @@ def _spec(world, label: str, draft: str | None) -> Spec:
 
 
 def _env(world) -> dict:
-    from eyas.workers.vllm_settings import speculative_env
+    from eyas.workers.vllm.settings import speculative_env
 
     return {"VLLM_CPU_KVCACHE_SPACE": "1", **speculative_env(world["cfg"]["target"]["path"], on_gpu=False)}
 
@@ -237,7 +237,7 @@ def test_a_failing_engine_names_its_cause(world, tmp_path):
 def test_prompt_files_in_every_form(world, tmp_path):
     from transformers import AutoTokenizer
 
-    from eyas.workers import eval_prompts
+    from eyas.workers.evaluate import prompts as eval_prompts
 
     target = world["cfg"]["target"]["path"]
     tok = AutoTokenizer.from_pretrained(target)

@@ -17,10 +17,13 @@ import torch
 from daemon_harness import daemon, wait_for  # noqa: F401 (fixture)
 from safetensors.torch import load_file
 
-from eyas.workers import adapters, assets, hf_target, hswriter
-from eyas.workers.capture import LayerCapture
-from eyas.workers.progress import ProgressWriter
-from eyas.workers.runtime import RankContext
+from eyas.workers.extract import hf as extract_hf
+from eyas.workers.extract import hswriter
+from eyas.workers.extract import plan as extract_plan
+from eyas.workers.models import adapters, assets, hf_target
+from eyas.workers.models.capture import LayerCapture
+from eyas.workers.runtime.progress import ProgressWriter
+from eyas.workers.runtime.rank import RankContext
 from eyas.workers.stages import extract
 
 # Builds models and starts engines: `pytest -m "not slow"` leaves it out.
@@ -125,17 +128,17 @@ def load_hf(path: Path, dtype=torch.float32):
 
 def test_plan_is_longest_first_dealt_round_robin_and_covers_every_row_once():
     lengths = [5, 9, 3, 9, 7, 1, 8, 2, 6, 4, 10]
-    assert extract.plan_batches(lengths, 1, 0, 4) == [[10, 1, 3, 6], [4, 8, 0, 9], [2, 7, 5]]
-    r0 = extract.plan_batches(lengths, 2, 0, 3)
-    r1 = extract.plan_batches(lengths, 2, 1, 3)
+    assert extract_plan.plan_batches(lengths, 1, 0, 4) == [[10, 1, 3, 6], [4, 8, 0, 9], [2, 7, 5]]
+    r0 = extract_plan.plan_batches(lengths, 2, 0, 3)
+    r1 = extract_plan.plan_batches(lengths, 2, 1, 3)
     assert r0 == [[10, 3, 4], [0, 2, 5]]
     assert r1 == [[1, 6, 8], [9, 7]]
     assert sorted(i for b in r0 + r1 for i in b) == list(range(len(lengths)))
     # A pure function: the same inputs always give the same batches.
-    assert extract.plan_batches(lengths, 2, 1, 3) == r1
-    assert extract.plan_batches([], 2, 1, 3) == []
+    assert extract_plan.plan_batches(lengths, 2, 1, 3) == r1
+    assert extract_plan.plan_batches([], 2, 1, 3) == []
     with pytest.raises(ValueError, match="extract.batch_size = 0: use 1 or more"):
-        extract.plan_batches(lengths, 1, 0, 0)
+        extract_plan.plan_batches(lengths, 1, 0, 0)
 
 
 # --- accuracy --------------------------------------------------------------------------------
@@ -150,7 +153,7 @@ def test_hidden_states_match_unbatched_hook_reference_and_output_hidden_states(m
     ids = list(range(n + 1))                 # every id, 0 (embeddings) to N (final pre-norm)
     ctx = run_stage(tmp_path / "out", models[family], layer_ids=ids, batch_size=4)
 
-    plan = extract.plan_batches(lengths, 1, 0, 4)
+    plan = extract_plan.plan_batches(lengths, 1, 0, 4)
     assert any(len({lengths[i] for i in b}) == len(b) > 1 for b in plan)  # mixed lengths per batch
     model = load_hf(models[family])
     hs_dir = tmp_path / "out" / "extract" / "hidden_states"
@@ -247,10 +250,10 @@ def test_out_of_memory_halves_the_batch_and_keeps_every_value(models, tmp_path):
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
     handle = target.decoder.module.register_forward_pre_hook(fail_big, with_kwargs=True)
-    plan = extract.plan_batches(lengths, 1, 0, 5)
-    ds = extract._load_dataset(tmp_path / "out" / "prepare" / "dataset")
+    plan = extract_plan.plan_batches(lengths, 1, 0, 5)
+    ds = extract_plan.load_dataset(tmp_path / "out" / "prepare" / "dataset")
     hs_dir = tmp_path / "hs"
-    stats = extract.run(target, (2, 8), ds, lengths, plan, hs_dir, "float32")
+    stats = extract_hf.run(target, (2, 8), ds, lengths, plan, hs_dir, "float32")
     handle.remove()
     assert (stats.written, stats.computed) == (5, 5)
     model = load_hf(models["llama"])
@@ -273,7 +276,7 @@ def test_unknown_architecture_fails_at_once_listing_the_known_ones(tmp_path):
         run_stage(tmp_path / "out", target)
     known = ", ".join(sorted(a for ad in adapters.ADAPTERS for a in ad.architectures))
     assert str(err.value) == (f"architecture 'MambaForCausalLM' is not supported for extraction; known: {known} "
-                              "(add an adapter in eyas/workers/adapters.py)")
+                              "(add an adapter in eyas/workers/models/adapters.py)")
     assert "DeepseekV3ForCausalLM, KimiK25ForConditionalGeneration, LlamaForCausalLM" in known
     (target / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
     with pytest.raises(adapters.UnknownArchitecture, match='config.json names no architectures; set "architectures"'):
@@ -315,9 +318,9 @@ def test_multimodal_wrapper_resolves_to_its_language_model(models, tmp_path, wra
     assert (adapter.family, decoder.path, decoder.num_layers) == ("multimodal", path, 8)
     assert decoder.module is lm.model and decoder.norm is lm.model.norm
     target = hf_target.Target(model, type(model).__name__, adapter, decoder, "llama")
-    ds = extract._load_dataset(tmp_path / "out" / "prepare" / "dataset")
+    ds = extract_plan.load_dataset(tmp_path / "out" / "prepare" / "dataset")
     hs_dir = tmp_path / "wrapped"
-    extract.run(target, (0, 3, 8), ds, lengths, extract.plan_batches(lengths, 1, 0, 4), hs_dir, "float32")
+    extract_hf.run(target, (0, 3, 8), ds, lengths, extract_plan.plan_batches(lengths, 1, 0, 4), hs_dir, "float32")
     # The same decoder on the same batches: the same bytes as the plain model's run.
     for idx in range(len(rows)):
         name = f"hs_{idx}.safetensors"
@@ -482,7 +485,7 @@ def test_resume_skips_complete_batches_and_writes_only_missing_files(models, tmp
     run_stage(tmp_path / "out", models["deepseek_v3"], batch_size=4)
     extract_dir = tmp_path / "out" / "extract"
     before = sha256s(extract_dir)
-    plan = extract.plan_batches(lengths, 1, 0, 4)       # [[2, 6, 0, 9], [4, 5, 8, 1], [10, 3, 7]]
+    plan = extract_plan.plan_batches(lengths, 1, 0, 4)       # [[2, 6, 0, 9], [4, 5, 8, 1], [10, 3, 7]]
     assert plan == [[2, 6, 0, 9], [4, 5, 8, 1], [10, 3, 7]]
 
     hs_dir = extract_dir / "hidden_states"
@@ -552,7 +555,7 @@ def test_daemon_two_ranks_sigkill_mid_extraction_then_retry_is_byte_identical(da
     # The same run, with rank 1 SIGKILLed once it has written some files.
     killed = daemon.submit(_toml("killed", tmp_path / "killed", models["deepseek_v3"]), "killed.toml")
     hs_dir = tmp_path / "killed" / "extract" / "hidden_states"
-    rank1 = set(i for b in extract.plan_batches(lengths, 2, 1, 4) for i in b)
+    rank1 = set(i for b in extract_plan.plan_batches(lengths, 2, 1, 4) for i in b)
     pid = wait_for(lambda: (rs := daemon.ranks(killed, stage="extract")) and len(rs) == 2 and rs[1]["pid"],
                    120, what="rank 1's pid")
     wait_for(lambda: len(hswriter.existing(hs_dir) & rank1) >= 8, 120, 0.01, "rank 1 to write 8 files")
@@ -578,7 +581,7 @@ def test_daemon_two_ranks_sigkill_mid_extraction_then_retry_is_byte_identical(da
 
 def test_an_output_dir_is_bound_to_one_extraction(tmp_path):
     """Resume trusts the files present; files of another model, dtype, layer set or data are refused."""
-    from eyas.workers.stages.extract import IDENTITY, claim_output
+    from eyas.workers.extract.output import IDENTITY, claim_output
 
     ident = {"model": "/m", "architecture": "LlamaForCausalLM", "dtype": "float32", "layer_ids": [2, 4, 8],
              "dataset": "abc"}
@@ -595,7 +598,7 @@ def test_an_output_dir_is_bound_to_one_extraction(tmp_path):
 def test_dataset_digest_follows_the_token_ids(tmp_path):
     import datasets
 
-    from eyas.workers.stages.extract import dataset_digest
+    from eyas.workers.extract.output import dataset_digest
 
     def digest(rows):
         datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(tmp_path / "d")

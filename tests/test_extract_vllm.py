@@ -29,10 +29,14 @@ from safetensors.torch import load_file, save_file
 
 from eyas.daemon import logsplit
 from eyas.state import queries, runconfig, schema, store
-from eyas.workers import adapters, assets, hswriter, vllm_backend, vllm_layout
-from eyas.workers.progress import ProgressWriter
-from eyas.workers.runtime import RankContext
+from eyas.workers.extract import hswriter
+from eyas.workers.models import adapters, assets
+from eyas.workers.runtime.progress import ProgressWriter
+from eyas.workers.runtime.rank import RankContext
 from eyas.workers.stages import extract
+from eyas.workers.vllm import backend as vllm_backend
+from eyas.workers.vllm import layout as vllm_layout
+from eyas.workers.vllm import version as vllm_version
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +80,7 @@ EXTENSIONS = {
         forward with a generic, Llama-shaped one (get_input_embeddings, keyword layer calls)."""
         import types
 
-        from eyas.workers.vllm_ext import EyasWorkerExtension
+        from eyas.workers.vllm.ext import EyasWorkerExtension
 
 
         class Speculators030Worker(EyasWorkerExtension):
@@ -133,7 +137,7 @@ EXTENSIONS = {
         """eyas's extension, with a pause before each batch, so that a test can act mid-extraction."""
         import time
 
-        from eyas.workers.vllm_ext import EyasWorkerExtension
+        from eyas.workers.vllm.ext import EyasWorkerExtension
 
 
         class SlowExtension(EyasWorkerExtension):
@@ -145,7 +149,7 @@ EXTENSIONS = {
         """eyas's extension, plus the tiny Kimi wrapper registered in every process that imports it."""
         import kimi_wrapper  # noqa: F401
 
-        from eyas.workers.vllm_ext import EyasWorkerExtension
+        from eyas.workers.vllm.ext import EyasWorkerExtension
 
 
         class WrapperExtension(EyasWorkerExtension):
@@ -199,7 +203,7 @@ def hf_reference(output_dir: Path, target: Path, rows: list[list[int]]) -> Path:
 
 def drive(output_dir: Path, target: Path, rows, ext_dir: Path, tp=1, options=None, batch_size=4,
           timeout=300) -> Path:
-    """One vllm-backend attempt run the way the daemon runs a rank: python -m eyas.workers.runtime
+    """One vllm-backend attempt run the way the daemon runs a rank: python -m eyas.workers.runtime.rank
     with the rank contract's environment, output to rank-0.log."""
     write_dataset(output_dir, rows)
     cfg_path = output_dir / "config.json"
@@ -211,7 +215,7 @@ def drive(output_dir: Path, target: Path, rows, ext_dir: Path, tp=1, options=Non
            "EYAS_CONFIG": str(cfg_path), "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(ext_dir), os.environ.get("PYTHONPATH", "")])}
     with open(attempt / "rank-0.log", "wb") as log:
-        proc = subprocess.run([sys.executable, "-m", "eyas.workers.runtime"], env=env, stdout=log,
+        proc = subprocess.run([sys.executable, "-m", "eyas.workers.runtime.rank"], env=env, stdout=log,
                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=timeout, cwd=attempt)
     assert proc.returncode == 0, (attempt / "rank-0.log").read_text()[-6000:]
     return attempt
@@ -254,13 +258,13 @@ def test_replies_take_a_list_per_rank_or_one_value():
 
 
 def test_version_check_names_the_supported_versions():
-    assert vllm_backend.check_version("0.32.0") == "0.32.0"
-    assert vllm_backend.check_version("0.33.1+cu128") == "0.33.1+cu128"
-    with pytest.raises(vllm_backend.UnsupportedVllm) as err:
-        vllm_backend.check_version("0.16.0")
+    assert vllm_version.check("0.32.0") == "0.32.0"
+    assert vllm_version.check("0.33.1+cu128") == "0.33.1+cu128"
+    with pytest.raises(vllm_version.UnsupportedVllm) as err:
+        vllm_version.check("0.16.0")
     assert str(err.value) == ("vLLM 0.16.0 is not supported by eyas's vllm backend (supported: 0.32 (the CPU build "
                               "tested here); 0.33 (GPUs)); install one of them, or use backend = \"hf\"")
-    assert vllm_backend.check_version() == "0.32.0"           # the installed CPU build
+    assert vllm_version.check() == "0.32.0"           # the installed CPU build
 
 
 def test_engine_args_fix_what_capture_needs_and_refuse_overrides():
@@ -271,7 +275,7 @@ def test_engine_args_fix_what_capture_needs_and_refuse_overrides():
                                  "worker_extension_cls")} == {
         "enforce_eager": True, "enable_prefix_caching": False, "tensor_parallel_size": 2,
         "distributed_executor_backend": "mp", "max_model_len": 91, "max_num_batched_tokens": 64,
-        "worker_extension_cls": "eyas.workers.vllm_ext.EyasWorkerExtension"}
+        "worker_extension_cls": "eyas.workers.vllm.ext.EyasWorkerExtension"}
     assert args["compilation_config"] == {"custom_ops": ["-rotary_embedding"]}   # MLA on the CPU build
     assert "compilation_config" not in vllm_backend.engine_args("/m", "float32", 1, False, 9, "x", None, {}, True)
     # Overriding what eyas sets is refused with the run's options (state/specs.py), before any engine.
@@ -282,8 +286,8 @@ def test_engine_args_fix_what_capture_needs_and_refuse_overrides():
     assert vllm_backend.cpu_env(2)["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1
     with pytest.raises(ValueError, match="worker extension 'nowhere.Ext' cannot be imported"):
         vllm_backend.load_extension("nowhere.Ext")
-    with pytest.raises(ValueError, match="does not subclass eyas.workers.vllm_ext.EyasWorkerExtension"):
-        vllm_backend.load_extension("eyas.workers.vllm_backend.Engine")
+    with pytest.raises(ValueError, match="does not subclass eyas.workers.vllm.ext.EyasWorkerExtension"):
+        vllm_backend.load_extension("eyas.workers.vllm.backend.Engine")
 
 
 def test_layout_maps_rows_to_requests_and_refuses_a_wrong_one():
@@ -354,7 +358,7 @@ def test_worker_records_its_first_error_before_vllm_flattens_it(tmp_path, monkey
     import io
     import logging
 
-    from eyas.workers import vllm_ext
+    from eyas.workers.vllm import ext as vllm_ext
 
     monkeypatch.setenv("EYAS_ATTEMPT_DIR", str(tmp_path))
     monkeypatch.setenv("RANK", "0")
@@ -471,7 +475,9 @@ def test_group_supervises_tp_workers_as_ranks_without_an_engine(tmp_path):
     import asyncio
 
     from eyas.daemon import core as daemon_core
-    from eyas.daemon.supervisor import Group, Rank, RankExit, create_time, describe_failure
+    from eyas.daemon.failures import describe_failure
+    from eyas.daemon.group import Group
+    from eyas.daemon.ranks import Rank, RankExit, create_time
 
     db = store.open_writer(tmp_path / "e.db")
     run_id = store.create_run(db, name="r", model="m", stages=[{"name": "extract"}])

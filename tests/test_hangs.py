@@ -170,7 +170,8 @@ def test_eyas_stacks_prints_native_frames_or_says_why_not(daemon, monkeypatch):
 
 def test_the_straggler_rule_counts_from_done_json_or_from_the_last_peer(tmp_path):
     from eyas.daemon import straggler, watchdog
-    from eyas.daemon.supervisor import Group, Rank, RankExit
+    from eyas.daemon.group import Group
+    from eyas.daemon.ranks import Rank, RankExit
 
     group = Group(1, "selftest", 1, 1, tmp_path, 2, [], 0)
     group.ranks = [Rank(r, tmp_path / f"rank-{r}.log", 0, None, pid=100 + r) for r in range(2)]
@@ -200,7 +201,8 @@ async def test_a_vllm_tp_worker_gets_native_stacks_though_it_has_no_python_dump(
     import psutil
 
     from eyas.daemon import stacks
-    from eyas.daemon.supervisor import Rank
+    from eyas.daemon.ranks import Rank
+    from eyas.wire.stacks import report
 
     code = "import time\ndef engine_step():\n    time.sleep(60)\nprint('up', flush=True)\nengine_step()\n"
     worker = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -209,7 +211,7 @@ async def test_a_vllm_tp_worker_gets_native_stacks_though_it_has_no_python_dump(
         rank = Rank(3, tmp_path / "tp-1.log", 0, None, None, worker.pid, psutil.Process(worker.pid).create_time(),
                     role="tp-worker", tp_rank=1)
         (entry,) = await stacks.collect([rank], python_wait=0.1)
-        text = stacks.report([entry])
+        text = report([entry])
     finally:
         worker.kill()
         worker.wait()

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from eyas.daemon import output
-from eyas.state import paths, queries, schema, store
+from eyas.cli import output
+from eyas.state import display, paths, queries, schema, store
 
 GiB = 2**30
 T1 = calendar.timegm((2025, 11, 30, 9, 0, 0))   # run 1, succeeded
@@ -462,7 +462,7 @@ def test_no_heavy_imports(home, argv):
     pandas), and rich only for a table drawn on a terminal (never here: stdout is a pipe)."""
     code = (
         "import sys\n"
-        "from eyas.daemon.cli import main\n"
+        "from eyas.cli.main import main\n"
         f"rc = main(['--home', {str(home[0])!r}] + {argv!r})\n"
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}), rc, file=sys.stderr)\n"
     )
@@ -480,7 +480,7 @@ class Tty(io.StringIO):
 def test_rich_table_on_a_terminal():
     buf = Tty()
     cols = [output.Column("id", right=True), output.Column("name"), output.Column("state"),
-            output.Column("duration", output.duration)]
+            output.Column("duration", display.duration)]
     long_name = "[bold]" + "n" * 120  # wider than the 80 columns rich assumes here; not markup
     output.emit([{"id": 7, "name": long_name, "state": "failed", "duration": 65}], cols, None, out=buf)
     text = buf.getvalue()
@@ -503,18 +503,18 @@ def test_terminal_table_of_many_rows_is_plain():
                                             (3599, "59m59s"), (3725, "1h02m"), (86399, "23h59m"),
                                             (93784, "1d02h"), (-3, "0s")])
 def test_duration_format(seconds, shown):
-    assert output.duration(seconds) == shown
+    assert display.duration(seconds) == shown
 
 
 def test_value_formats():
-    assert output.size(PEAK) == "12.3 GiB"
-    assert output.size(512 * 2**20) == "512.0 MiB"
-    assert output.size(None) == ""
-    assert output.count(1234.4) == "1,234"
-    assert output.count(1234567.8) == "1,234,568"
-    assert output.count(None) == ""
-    assert output.iso_utc(T2 + 10) == "2025-12-01T12:00:10+00:00"
-    assert output.iso_utc(T2 + 0.25) == "2025-12-01T12:00:00.250000+00:00"
+    assert display.size(PEAK) == "12.3 GiB"
+    assert display.size(512 * 2**20) == "512.0 MiB"
+    assert display.size(None) == ""
+    assert display.count(1234.4) == "1,234"
+    assert display.count(1234567.8) == "1,234,568"
+    assert display.count(None) == ""
+    assert display.iso_utc(T2 + 10) == "2025-12-01T12:00:10+00:00"
+    assert display.iso_utc(T2 + 0.25) == "2025-12-01T12:00:00.250000+00:00"
 
 
 def test_query_schema_version_matches_schema():

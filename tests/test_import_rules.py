@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = {"daemon": "eyas.daemon", "state": "eyas.state", "workers": "eyas.workers", "tui": "eyas.tui"}
+FOLDERS = {"daemon": "eyas.daemon", "state": "eyas.state", "workers": "eyas.workers", "tui": "eyas.tui",
+           "wire": "eyas.wire", "cli": "eyas.cli"}
 ENGINES = {"torch", "transformers", "vllm", "textual", "speculators", "safetensors", "datasets", "numpy"}
 # The only parts of eyas.workers the daemon may know: pure modules (stdlib; pynvml for nvml).
 # The stage specs and the run config are eyas.state's (specs.py, runconfig.py).
@@ -99,6 +100,8 @@ def test_daemon_imports_no_engines_and_only_worker_specs():
             return "the daemon may know only eyas.workers.nvml of the workers"
         if n.startswith("eyas.tui") and _is_real_module(n):
             return "the daemon never imports the TUI"
+        if n.startswith("eyas.cli") and _is_real_module(n):
+            return "the daemon process never imports the CLI"
         return None
     assert _violations("daemon", rule) == []
 
@@ -116,19 +119,21 @@ def test_worker_specs_are_stdlib_only():
 
 def test_workers_import_no_daemon_or_tui():
     assert _violations("workers", lambda n: "workers meet the daemon only through the rank contract"
-                       if (n.startswith("eyas.daemon") or n.startswith("eyas.tui")) and _is_real_module(n)
+                       if n.startswith(("eyas.daemon", "eyas.tui", "eyas.wire", "eyas.cli")) and _is_real_module(n)
                        else None) == []
 
 
 def test_tui_uses_only_client_protocol_and_read_only_state():
-    allowed_daemon = {"eyas.daemon", "eyas.daemon.client", "eyas.daemon.protocol"}
+    allowed_wire = {"eyas.wire", "eyas.wire.client", "eyas.wire.protocol"}
     allowed_state = {"eyas.state", "eyas.state.queries", "eyas.state.paths", "eyas.state.machine",
                      "eyas.state.display", "eyas.state.logtime", "eyas.state.procs", "eyas.state.logcut",
                      "eyas.state.contract"}
 
     def rule(n):
-        if n.startswith("eyas.daemon") and n not in allowed_daemon and _is_real_module(n):
-            return "the TUI talks to the daemon only through eyas.daemon.client"
+        if n.startswith(("eyas.daemon", "eyas.cli")) and _is_real_module(n):
+            return "the TUI talks to the daemon only through eyas.wire"
+        if n.startswith("eyas.wire") and n not in allowed_wire and _is_real_module(n):
+            return "the TUI talks to the daemon only through eyas.wire.client"
         if n.startswith("eyas.state") and n not in allowed_state and _is_real_module(n):
             return "the TUI reads state only through the read-only queries"
         if n.startswith("eyas.workers") or _top(n) in {"torch", "transformers", "vllm"}:
@@ -155,7 +160,7 @@ def _lint_imports(tree: Path) -> subprocess.CompletedProcess:
 
 def test_make_lint_fails_on_a_planted_forbidden_import(tmp_path):
     """The daemon importing torch (lazily, inside a function) and the TUI importing the
-    supervisor each break a contract; the untouched copy keeps them all."""
+    daemon's process group each break a contract; the untouched copy keeps them all."""
     src = tmp_path / "src" / "eyas"
     for folder in FOLDERS:
         shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
@@ -165,19 +170,19 @@ def test_make_lint_fails_on_a_planted_forbidden_import(tmp_path):
     with open(src / "daemon" / "core.py", "a") as f:
         f.write("\n\ndef _planted():\n    import torch  # noqa: F401\n")
     with open(src / "tui" / "app.py", "a") as f:
-        f.write("\n\nfrom eyas.daemon import supervisor  # noqa: E402, F401\n")
+        f.write("\n\nfrom eyas.daemon import group  # noqa: E402, F401\n")
     broken = _lint_imports(tmp_path)
     assert broken.returncode != 0
-    assert "The daemon and the CLI load no engine and no TUI BROKEN" in broken.stdout, broken.stdout
-    assert "The TUI talks to the daemon only through the wire (client, protocol) BROKEN" in broken.stdout
-    assert "eyas.daemon.core -> torch" in broken.stdout and "eyas.tui.app -> eyas.daemon.supervisor" in broken.stdout
+    assert "The daemon process loads no engine, no TUI and never the CLI BROKEN" in broken.stdout, broken.stdout
+    assert "The TUI talks to the daemon only through the wire BROKEN" in broken.stdout
+    assert "eyas.daemon.core -> torch" in broken.stdout and "eyas.tui.app -> eyas.daemon.group" in broken.stdout
 
 
 @pytest.mark.parametrize("command", [["runs", "--json"], ["daemon", "status", "--json"], ["--help"]])
 def test_light_commands_do_not_load_engines(tmp_path, command):
     code = (
         "import sys, os\n"
-        "from eyas.daemon.cli import main\n"
+        "from eyas.cli.main import main\n"
         "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
         "heavy = sorted(m for m in ('torch','transformers','vllm','textual','speculators') if m in sys.modules)\n"
         "print('HEAVY=' + ','.join(heavy), file=sys.stderr)\n"
@@ -185,3 +190,30 @@ def test_light_commands_do_not_load_engines(tmp_path, command):
     env = {"EYAS_HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "XDG_RUNTIME_DIR": str(tmp_path / "rt")}
     out = subprocess.run([sys.executable, "-c", code, *command], capture_output=True, text=True, env=env, timeout=60)
     assert "HEAVY=\n" in out.stderr, out.stderr
+
+
+def test_every_import_of_eyas_names_a_module_that_exists():
+    """A module moved without its importers fixed is caught here, lazy imports inside
+    functions included (import-linter skips names it cannot find; ruff does not look)."""
+    missing = []
+    for folder in FOLDERS:
+        for path in sources(folder):
+            tree = ast.parse(path.read_text(), str(path))
+            module = _module_name(path)
+            package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom):
+                    if node.level:
+                        base = package.split(".")
+                        base = base[: len(base) - node.level + 1]
+                        names = [".".join(base + ([node.module] if node.module else []))]
+                    else:
+                        names = [node.module]
+                elif isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                else:
+                    continue
+                for name in names:
+                    if _eyas_module(name) and name.count(".") >= 1 and not _is_real_module(name):
+                        missing.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}, which does not exist")
+    assert missing == []

@@ -14,9 +14,12 @@ import psutil
 import torch
 from test_extract_hf import run_stage, sha256s, token_rows, write_dataset
 
-from eyas.workers import assets, atomic, checkpoint
+from eyas.workers.models import assets
 
 # A child that saves a 4 MB tensor with a 64 kB file size limit: the kernel kills it with
+from eyas.workers.runtime import atomic
+from eyas.workers.train import checkpoint
+
 # SIGXFSZ mid-write (Python ignores that signal by default, so it is reset first), and the
 # temp file safetensors was writing stays behind, as after any kill.
 _KILLED_MID_SAVE = """

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from daemon_harness import EYAS, daemon, selftest_toml, wait_for  # noqa: F401 (fixture)
 
-from eyas.daemon.client import Client
 from eyas.daemon.logsplit import LogSplitter
 from eyas.state.logcut import MIB, Bound, Tail
+from eyas.wire.client import Client
 
 LINE = re.compile(r"r0 line (\d+) @")
 MARK = "eyas: ··· cut "

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from eyas.daemon.logs import line_time
+from eyas.cli.logs import line_time
 from eyas.state import paths, store
 
 START = calendar.timegm((2026, 12, 2, 13, 5, 0))

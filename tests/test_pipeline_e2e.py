@@ -19,9 +19,11 @@ import torch
 from daemon_harness import Daemon, short_tmp, wait_for
 
 from eyas.state import queries
-from eyas.workers import assets, checkpoint
+from eyas.workers.models import assets
 
 # Builds models and starts engines: `pytest -m "not slow"` leaves it out.
+from eyas.workers.train import checkpoint
+
 pytestmark = pytest.mark.slow
 
 EYAS = str(Path(sys.executable).with_name("eyas"))

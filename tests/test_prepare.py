@@ -14,12 +14,12 @@ import pytest
 from daemon_harness import daemon  # noqa: F401 (fixture)
 
 from eyas.state.runconfig import DataConfig, DraftConfig, RunConfig, TargetConfig, TrainConfig
-from eyas.workers import assets
-from eyas.workers.chat import MaskedRenderer, TemplateMismatch, load_tokenizer
-from eyas.workers.dataset_reader import SKIP_REASONS, DataError
-from eyas.workers.doctor_tokenizer import spans
-from eyas.workers.progress import ProgressWriter
-from eyas.workers.runtime import RankContext
+from eyas.workers.data.chat import MaskedRenderer, TemplateMismatch, load_tokenizer
+from eyas.workers.data.reader import SKIP_REASONS, DataError
+from eyas.workers.doctor.tokenizer import spans
+from eyas.workers.models import assets
+from eyas.workers.runtime.progress import ProgressWriter
+from eyas.workers.runtime.rank import RankContext
 from eyas.workers.stages import prepare
 
 END = "<|end|>"

@@ -1,7 +1,7 @@
 """The worker side of the rank contract, with real processes and no daemon.
 
 `start_rank` does what the daemon does: an attempt dir, the rank log opened O_APPEND, the
-contract's environment, and `python -m eyas.workers.monitor` as a new session's leader.
+contract's environment, and `python -m eyas.workers.runtime.monitor` as a new session's leader.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import psutil
 import pytest
 
 from eyas.daemon.progressfile import read_new
-from eyas.workers import atomic
-from eyas.workers.progress import ProgressWriter
-from eyas.workers.runtime import LOG_FORMAT
+from eyas.workers.runtime import atomic
+from eyas.workers.runtime.progress import ProgressWriter
+from eyas.workers.runtime.rank import LOG_FORMAT
 
 DEADLINE = 60.0  # generous: a loaded 2-core machine starts Pythons slowly
 
@@ -94,7 +94,7 @@ def start_rank(tmp_path):
         }
         log_fd = os.open(attempt_dir / f"rank-{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "eyas.workers.monitor"], stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen([sys.executable, "-m", "eyas.workers.runtime.monitor"], stdin=subprocess.DEVNULL,
                                     stdout=log_fd, stderr=log_fd, env=env, start_new_session=True,
                                     preexec_fn=preexec_fn)
         finally:
@@ -307,8 +307,8 @@ def test_flood_of_20000_lines_per_second_loses_nothing(start_rank):
 
 
 def test_workers_modules_stay_light():
-    code = ("import sys, eyas.workers.monitor, eyas.workers.runtime, eyas.workers.progress, "
-            "eyas.workers.atomic, eyas.workers.stages.selftest; "
+    code = ("import sys, eyas.workers.runtime.monitor, eyas.workers.runtime.rank, eyas.workers.runtime.progress, "
+            "eyas.workers.runtime.atomic, eyas.workers.stages.selftest; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & "
             "{'torch', 'numpy', 'transformers', 'vllm', 'textual', 'eyas.daemon', 'eyas.tui'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -144,7 +144,7 @@ def test_a_daemon_that_died_while_starting_ranks_is_followed_by_one_that_finishe
     started, rank 1 never begun), made with the daemon's own code; the next daemon starts
     rank 1 into the same attempt, on rank 0's rendezvous port, rather than settling a rank
     that never existed as Lost and starting another attempt."""
-    from eyas.daemon.supervisor import Group
+    from eyas.daemon.group import Group
     from eyas.state import paths, store
     from eyas.state import runconfig as run_config
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from eyas.daemon.supervisor import PEER_LOSS_WINDOW, Group, Rank, RankExit
+from eyas.daemon.failures import PEER_LOSS_WINDOW
+from eyas.daemon.group import Group
+from eyas.daemon.ranks import Rank, RankExit
 
 GLOO_LOST = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500"
 

@@ -15,7 +15,8 @@ from daemon_harness import daemon, selftest_toml, wait_for  # noqa: F401 (fixtur
 
 from eyas.daemon import core as daemon_core
 from eyas.daemon import straggler
-from eyas.daemon.supervisor import Group, Rank
+from eyas.daemon.group import Group
+from eyas.daemon.ranks import Rank
 from eyas.state import paths, store
 
 WARNING = "that the database does not know"

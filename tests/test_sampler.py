@@ -533,3 +533,25 @@ def test_progress_reader_skips_an_endless_line(tmp_path):
     assert read_new(path, 0, max_bytes=40) == ([], 50, 1)
     path.write_bytes(b"x" * 30)  # shorter: still being written, so it waits
     assert read_new(path, 0, max_bytes=40) == ([], 0, 0)
+
+
+def test_progress_reader_notices_a_replaced_file_that_is_longer(tmp_path):
+    """A file replaced by a longer one (another inode) is read from its start, and the
+    restart is counted: its size alone would not tell."""
+    from eyas.daemon.progressfile import ProgressReader
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"a": 1}\n')
+    reader = ProgressReader(path)
+    try:
+        assert reader.read() == ([{"a": 1}], 0) and reader.restarts == 0
+        new = tmp_path / "new.jsonl"
+        new.write_bytes(b'{"b": 2}\n{"c": 3}\n')
+        os.replace(new, path)
+        assert reader.read() == ([{"b": 2}, {"c": 3}], 0)
+        assert (reader.restarts, reader.offset) == (1, 18)
+        with path.open("ab") as f:
+            f.write(b'{"d": 4}\n')
+        assert reader.read() == ([{"d": 4}], 0) and reader.restarts == 1
+    finally:
+        reader.close()

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 from eyas.daemon import diskfull
 from eyas.daemon.core import Core
-from eyas.daemon.supervisor import Group, Rank, RankExit
+from eyas.daemon.group import Group
+from eyas.daemon.ranks import Rank, RankExit
 from eyas.state import store
 
 

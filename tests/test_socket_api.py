@@ -25,11 +25,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from eyas.daemon import protocol
-from eyas.daemon.client import AsyncClient, Client, DaemonError, DaemonNotRunning
-from eyas.daemon.protocol import Event, ProtocolError
 from eyas.daemon.server import DaemonAlreadyRunning, Server
 from eyas.state import paths
+from eyas.wire import protocol
+from eyas.wire.client import AsyncClient, Client, DaemonError, DaemonNotRunning
+from eyas.wire.protocol import Event, ProtocolError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -924,7 +924,7 @@ async def test_async_subscription_overflow_on_a_slow_consumer(daemon):
 
 
 def test_client_module_imports_nothing_heavy():
-    code = ("import sys, eyas.daemon.client; "
+    code = ("import sys, eyas.wire.client; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & "
             "{'textual', 'torch', 'transformers', 'vllm', 'sqlite_utils', 'psutil', 'rich', 'pynvml'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -18,8 +18,9 @@ import torch
 from safetensors.torch import load_file
 from train_pipeline import build_inputs, context, copy_inputs, progress_records, run_stage, summary
 
-from eyas.workers import checkpoint, train_data
 from eyas.workers.stages import train
+from eyas.workers.train import checkpoint
+from eyas.workers.train import data as train_data
 
 # Builds models and starts engines: `pytest -m "not slow"` leaves it out.
 pytestmark = pytest.mark.slow
@@ -134,7 +135,7 @@ def test_a_retry_resumes_from_the_checkpoint_and_ends_where_an_uninterrupted_run
     out = copy_inputs(base, root / "resumed")
     total = summary(plain_ctx)["steps"]
 
-    from eyas.workers import train_loop
+    from eyas.workers.train import loop as train_loop
 
     real_save = train_loop.Trainer._save
 
@@ -186,7 +187,7 @@ def test_refuses_to_resume_another_setup(inputs, trained):
 _KILL_MID_SAVE = textwrap.dedent("""
     import sys, time, torch
     from pathlib import Path
-    from eyas.workers import checkpoint
+    from eyas.workers.train import checkpoint
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -285,7 +286,7 @@ def test_missing_inputs_name_the_stage_to_run(inputs, tmp_path):
     copy_inputs(base, out)
     for f in (out / "vocab").iterdir():
         f.unlink()
-    from eyas.workers.train_model import DraftError
+    from eyas.workers.train.model import DraftError
 
     with pytest.raises(DraftError, match=r"no d2t-256.npy / t2d-256.npy; run the vocab stage first"):
         run_stage(train, "train", out, cfg)

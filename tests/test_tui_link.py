@@ -10,9 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from eyas.daemon.protocol import Event
 from eyas.tui.link import DaemonLink
 from eyas.tui.live import Live
+from eyas.wire.protocol import Event
 
 EYAS = str(Path(sys.executable).with_name("eyas"))
 

@@ -11,11 +11,11 @@ import torch
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
 from eyas.state.runconfig import DraftConfig, RunConfig, TargetConfig
-from eyas.workers.progress import ProgressWriter
-from eyas.workers.runtime import RankContext
+from eyas.workers.data.target_vocab import target_vocab_size
+from eyas.workers.runtime.progress import ProgressWriter
+from eyas.workers.runtime.rank import RankContext
 from eyas.workers.stages import vocab
 from eyas.workers.stages.vocab import VocabError, build_mapping
-from eyas.workers.target_vocab import target_vocab_size
 
 V = 64
 

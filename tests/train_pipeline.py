@@ -62,8 +62,8 @@ def config(root: Path, target: Path, data: Path, rows: int = 40, draft_vocab: in
 
 def context(stage: str, out: Path, cfg: dict, rank: int = 0, world_size: int = 1, attempt: int = 1,
             options: dict | None = None):
-    from eyas.workers.progress import ProgressWriter
-    from eyas.workers.runtime import RankContext
+    from eyas.workers.runtime.progress import ProgressWriter
+    from eyas.workers.runtime.rank import RankContext
 
     attempt_dir = out.parent / "attempts" / f"{out.name}-{stage}-{attempt}-{time.monotonic_ns()}"
     attempt_dir.mkdir(parents=True)
@@ -88,7 +88,7 @@ def run_stage(module, stage: str, out: Path, cfg: dict, **kw):
 def build_inputs(root: Path, family: str = "deepseek_v3", rows: int = 40, **kw) -> tuple[Path, dict]:
     """A tiny target, chats, and the prepare/extract/vocab outputs under root/base; (out, cfg).
     `kw`: config()'s draft_vocab and validation_fraction."""
-    from eyas.workers import assets
+    from eyas.workers.models import assets
     from eyas.workers.stages import extract, prepare, vocab
 
     target = assets.build_model(root / f"tiny-{family}", family)
@@ -126,7 +126,7 @@ PROMPTS = ["<|bos|><|user|>Count to ten<|end|><|assistant|>", "<|bos|><|user|>Th
 
 def vllm_generate(target: Path, draft: Path, timeout: float = 420) -> tuple[int, dict | None, str]:
     """(exit code, {"texts", "token_ids", "metrics"} or None, the child's output)."""
-    from eyas.workers.vllm_settings import speculative_env
+    from eyas.workers.vllm.settings import speculative_env
 
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1", **speculative_env(target, on_gpu=False)}
     p = subprocess.run([sys.executable, __file__, "vllm", str(target), str(draft)], capture_output=True, text=True,

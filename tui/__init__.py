@@ -13,5 +13,5 @@
     procs.py        ProcWatch: processes under a live rank (TP workers), via psutil
     format.py       badges, figures, sparklines and bars as rich Text
 
-It imports only eyas.daemon.client/protocol/output and the read-only parts of eyas.state.
+It imports only eyas.wire (client, protocol) and the read-only parts of eyas.state.
 """

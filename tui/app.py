@@ -19,8 +19,8 @@ from textual.binding import Binding
 from textual.reactive import var
 from textual.screen import Screen
 
-from eyas.daemon.protocol import Event
 from eyas.state import paths
+from eyas.wire.protocol import Event
 
 from .history import History
 from .link import DaemonLink, LinkStatus

@@ -1,12 +1,13 @@
-"""How the TUI writes states, figures and small charts: rich Text, so that DataTable cells
-and Statics share one look. Durations, sizes and times come from eyas.state.display, so the
+"""How the TUI writes states, figures and small charts: rich Text, so that DataTable cells and Statics share one look.
+
+Durations, sizes, counts and times are eyas.state.display's (the screens import it), so the
 TUI and `eyas runs` print the same figures the same way."""
 
 from __future__ import annotations
 
 from rich.text import Text
 
-from eyas.state.display import count, duration, exit_text, local_minute, local_second, size  # noqa: F401 (re-exported)
+from eyas.state.display import count, duration
 
 STATE_STYLE = {
     "succeeded": ("✓", "green"),

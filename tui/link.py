@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from eyas.daemon.client import AsyncClient, DaemonError, DaemonNotRunning
-from eyas.daemon.protocol import Event
+from eyas.wire.client import AsyncClient, DaemonError, DaemonNotRunning
+from eyas.wire.protocol import Event
 
 TOPICS = ("state", "metric")
 

@@ -11,8 +11,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from eyas.daemon.protocol import Event
 from eyas.state.machine import TERMINAL
+from eyas.wire.protocol import Event
 
 # Samples kept per (run, stage, attempt, rank, metric): five minutes at the daemon's 1 Hz,
 # what the Ranks screen's sparklines show.

@@ -21,7 +21,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from daemon_harness import Daemon, bench_home, selftest_toml, wait_for  # noqa: E402
 
-from eyas.daemon.client import Client  # noqa: E402
+from eyas.wire.client import Client  # noqa: E402
 
 RANKS = 8
 RATE = 20_000

@@ -7,7 +7,7 @@ is a fresh `eyas doctor run.toml` process; the best of --runs counts (load from 
 shared machine only ever slows a run down) and every run is printed.
 
 For scale, the same process cost of loading a tiny model of the same shape in vLLM (the
-tiny DeepseekV3 of eyas.workers.assets: the DeepseekV2Model / DeepseekV2DecoderLayer classes
+tiny DeepseekV3 of eyas.workers.models.assets: the DeepseekV2Model / DeepseekV2DecoderLayer classes
 that Kimi-K2.5's language model maps to in vLLM) with the CPU build: `LLM(...)` engine up,
 then exit. That is the least a run pays to find the same mistakes without the doctor.
 
@@ -44,7 +44,7 @@ def kimi_run(root: Path) -> Path:
     sys.path.insert(0, str(HERE.parent))
     from test_doctor import make_model, write_run
 
-    from eyas.workers.assets import build_tokenizer
+    from eyas.workers.models.assets import build_tokenizer
 
     if (root / "run.toml").exists():
         return root / "run.toml"
@@ -85,7 +85,7 @@ def main() -> int:
     best = min(times)
     print(f"eyas doctor best of {len(times)}: {best:.2f} s (budget {BUDGET_S:.0f} s)")
     if not args.no_vllm:
-        from eyas.workers import assets
+        from eyas.workers.models import assets
 
         tiny = CACHE / "tiny-deepseek"
         if not (tiny / "model.safetensors").exists():

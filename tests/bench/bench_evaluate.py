@@ -1,11 +1,11 @@
 """The evaluate stage's engine layout on vLLM's CPU build: one process per engine vs vLLM's default.
 
-Each evaluate measurement is a child process with one vLLM engine (workers/vllm_eval.py). By
+Each evaluate measurement is a child process with one vLLM engine (workers/evaluate/engines.py). By
 default vLLM starts an EngineCore process from it and, on the CPU build, a worker process
 from that: three processes that each import vLLM. eyas sets VLLM_ENABLE_V1_MULTIPROCESSING=0
-on the CPU build (workers/vllm_settings.in_process_engine_env), so the engine runs in the
+on the CPU build (workers/vllm/settings.py: in_process_engine_env), so the engine runs in the
 child itself. This bench runs the same measurement (the tiny DeepseekV3 of
-eyas.workers.assets alone, 30 prompts × 64 greedy tokens, the stage's own engine arguments)
+eyas.workers.models.assets alone, 30 prompts × 64 greedy tokens, the stage's own engine arguments)
 both ways, alternating, and prints:
 
 - wall time of the whole measurement (process start to result), default / eyas: the target
@@ -35,7 +35,7 @@ CACHE = Path(tempfile.gettempdir()) / "eyas-bench-evaluate-v1"
 
 
 def spec(target: Path):
-    from eyas.workers.vllm_eval import Spec
+    from eyas.workers.evaluate.engines import Spec
 
     rng = random.Random(0)
     prompts = [[rng.randrange(8, 500) for _ in range(rng.randint(16, 48))] for _ in range(30)]
@@ -53,7 +53,7 @@ def stage_env(target: Path) -> dict[str, str]:
 
 
 def run_once(s, work: Path, env: dict[str, str]) -> dict:
-    from eyas.workers.vllm_eval import measure
+    from eyas.workers.evaluate.engines import measure
 
     t0 = time.monotonic()
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -73,7 +73,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=2)
     args = parser.parse_args()
-    from eyas.workers import assets
+    from eyas.workers.models import assets
 
     target = CACHE / "tiny-deepseek"
     if not (target / assets.MARKER).exists():

@@ -2,10 +2,10 @@
 
 A random Llama target big enough that compute dominates (hidden 1024, 16 layers, fp32 on the
 CPU) and 512-token samples; every measurement runs the same samples in the same batches
-(extract.plan_batches), each in a fresh process so that its peak RSS is its own:
+(extract_plan.plan_batches), each in a fresh process so that its peak RSS is its own:
 
 - bare: the decoder's forward on each batch, capturing and writing nothing (the floor);
-- eyas: the stage's own loop (extract.run): hooks at the run's layer ids, the background
+- eyas: the stage's own loop (extract_hf.run): hooks at the run's layer ids, the background
   writer, atomic fsync'ed files. Target: tok/s >= 0.90 x bare;
 - ohs:  the same files, but the hidden states taken from output_hidden_states=True, which
   keeps every layer. Compared on peak RSS.
@@ -44,7 +44,7 @@ def build_target(root: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eyas.workers.assets import build_tokenizer
+    from eyas.workers.models.assets import build_tokenizer
 
     tok = build_tokenizer(path)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
@@ -78,41 +78,43 @@ def child(mode: str, target_dir: Path, data_dir: Path, out_dir: Path) -> dict:
     """One measurement in this (fresh) process."""
     import torch
 
-    from eyas.workers import hf_target, hswriter
-    from eyas.workers.stages import extract
+    from eyas.workers.extract import hf as extract_hf
+    from eyas.workers.extract import hswriter
+    from eyas.workers.extract import plan as extract_plan
+    from eyas.workers.models import hf_target
 
     target = hf_target.load(str(target_dir), "float32")
-    ds = extract._load_dataset(data_dir)
-    lengths = extract._lengths(ds, data_dir)
-    plan = extract.plan_batches(lengths, 1, 0, BATCH)
+    ds = extract_plan.load_dataset(data_dir)
+    lengths = extract_plan.row_lengths(ds, data_dir)
+    plan = extract_plan.plan_batches(lengths, 1, 0, BATCH)
     rows = ds.with_format(None)
     decoder = target.decoder
     with torch.inference_mode():     # warm-up: one-time allocations and kernel setup
-        ids, mask = extract.pad_batch([rows[i]["input_ids"] for i in plan[0]], 0)
+        ids, mask = extract_hf.pad_batch([rows[i]["input_ids"] for i in plan[0]], 0)
         decoder.module(input_ids=ids, attention_mask=mask, use_cache=False)
     rss_loaded = max_rss_mib()
     tokens = sum(lengths)
 
     t0, cpu0 = time.perf_counter(), time.process_time()
     if mode == "eyas":
-        extract.run(target, LAYER_IDS, ds, lengths, plan, out_dir, "float32")
+        extract_hf.run(target, LAYER_IDS, ds, lengths, plan, out_dir, "float32")
     elif mode == "bare":
         with torch.inference_mode():
             for batch in plan:
-                ids, mask = extract.pad_batch([rows[i]["input_ids"] for i in batch], 0)
+                ids, mask = extract_hf.pad_batch([rows[i]["input_ids"] for i in batch], 0)
                 decoder.module(input_ids=ids, attention_mask=mask, use_cache=False)
     elif mode == "ohs":
         writer = hswriter.HiddenStatesWriter(out_dir)
         with torch.inference_mode():
             for batch in plan:
                 token_ids = [rows[i]["input_ids"] for i in batch]
-                ids, mask = extract.pad_batch(token_ids, 0)
+                ids, mask = extract_hf.pad_batch(token_ids, 0)
                 out = decoder.module(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=True)
                 # Every layer is held until here; the last entry is normed (see docs/ARCHITECTURE.md),
                 # kept as a stand-in so that the files are the same size as eyas's.
                 hidden = torch.stack([out.hidden_states[i] for i in LAYER_IDS], dim=2)
                 del out
-                writer.put(extract._job(hidden, batch, token_ids, set(batch), "cpu"))
+                writer.put(extract_hf.job(hidden, batch, token_ids, set(batch), "cpu"))
         writer.close()
     else:
         raise ValueError(mode)

@@ -1,11 +1,11 @@
 """Extraction on the vllm backend (vLLM's CPU build): throughput against prefill-only generate.
 
-The tiny DeepseekV3 target (MLA + MoE, eyas.workers.assets) at TP=1, then TP=2; every
-measurement runs the same prompts in the same batches (extract.plan_batches), in one engine
+The tiny DeepseekV3 target (MLA + MoE, eyas.workers.models.assets) at TP=1, then TP=2; every
+measurement runs the same prompts in the same batches (extract_plan.plan_batches), in one engine
 per tensor-parallel size (an engine takes 20-50 s to start here):
 
 - generate: `LLM.generate(batch, max_tokens=1)` per batch, no capture (the floor);
-- eyas: the stage's own loop (extract.run_vllm): the workers' hooks at the run's layer ids,
+- eyas: the stage's own loop (vllm_backend.run): the workers' hooks at the run's layer ids,
   the layout check of every step, TP rank 0's background writer, atomic files;
   eyas_finish then takes the hooks off again, so the next generate runs unobserved.
 Target at TP=1: eyas tok/s >= 0.85 x generate. The order is symmetric (generate, eyas, eyas,
@@ -37,7 +37,7 @@ def build(root: Path, samples: int, seq: int) -> tuple[Path, Path]:
     """The tiny DeepseekV3 and a dataset of `samples` random `seq`-token prompts (kept for reruns)."""
     target = root / "deepseek_v3"
     if not (target / "model.safetensors").exists():
-        from eyas.workers import assets
+        from eyas.workers.models import assets
 
         assets.build_model(target, "deepseek_v3")
         cfg = json.loads((target / "config.json").read_text())
@@ -60,14 +60,15 @@ def child(tp: int, target: Path, data: Path, batch: int, scratch: Path) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eyas.state.runconfig import read_model_config
-    from eyas.workers import hswriter, vllm_backend
-    from eyas.workers.stages import extract
+    from eyas.state.target import read_model_config
+    from eyas.workers.extract import hswriter
+    from eyas.workers.extract import plan as extract_plan
+    from eyas.workers.vllm import backend as vllm_backend
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    ds = extract._load_dataset(data)
-    lengths = extract._lengths(ds, data)
-    plan = extract.plan_batches(lengths, 1, 0, batch)
+    ds = extract_plan.load_dataset(data)
+    lengths = extract_plan.row_lengths(ds, data)
+    plan = extract_plan.plan_batches(lengths, 1, 0, batch)
     rows = ds.with_format(None)
     prompts = [[TokensPrompt(prompt_token_ids=list(rows[i]["input_ids"])) for i in b] for b in plan]
     model_cfg = read_model_config(target)
@@ -93,7 +94,7 @@ def child(tp: int, target: Path, data: Path, batch: int, scratch: Path) -> dict:
         hs_dir = scratch / f"hs-{tp}-{n}"
         engine.attach(model_cfg["architectures"][0], LAYER_IDS, "float32", hs_dir)
         t0 = time.perf_counter()
-        stats, _ = extract.run_vllm(engine, ds, lengths, plan, hs_dir)
+        stats, _ = vllm_backend.run(engine, ds, lengths, plan, hs_dir)
         rate = tokens / (time.perf_counter() - t0)
         assert stats.written == len(lengths) == len(hswriter.existing(hs_dir)), stats
         shutil.rmtree(hs_dir)

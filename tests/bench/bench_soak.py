@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from daemon_harness import Daemon, bench_home  # noqa: E402
 
-from eyas.daemon.demo import DEMO_TOML, FIT_STEPS  # noqa: E402
+from eyas.cli.demo import DEMO_TOML, FIT_STEPS  # noqa: E402
 from eyas.state import queries  # noqa: E402
 
 EXIT_LAG_TARGET_S = 2.0
@@ -178,7 +178,7 @@ def main() -> int:
     p.add_argument("--busy", type=int, default=os.cpu_count() or 2, help="busy loops during a loaded run")
     a = p.parse_args()
     home = bench_home()
-    subprocess.run([sys.executable, "-m", "eyas.workers.assets", str(home / "assets"), "--fit-steps", str(FIT_STEPS)],
+    subprocess.run([sys.executable, "-m", "eyas.workers.models.assets", str(home / "assets"), "--fit-steps", str(FIT_STEPS)],
                    check=True, stdin=subprocess.DEVNULL, capture_output=True)
     d = Daemon(home, grace=5.0).start()
     outcomes: list[Outcome] = []

@@ -24,8 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from daemon_harness import Daemon, bench_home, selftest_toml, wait_for  # noqa: E402
 
-from eyas.daemon.client import Client  # noqa: E402
 from eyas.state import paths  # noqa: E402
+from eyas.wire.client import Client  # noqa: E402
 
 TARGET_MAX_S = 0.1
 LOCKER = r"""

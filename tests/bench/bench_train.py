@@ -53,7 +53,7 @@ def build_inputs(root: Path, samples: int) -> tuple[Path, Path]:
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eyas.workers.assets import build_tokenizer
+    from eyas.workers.models.assets import build_tokenizer
     from eyas.workers.stages.vocab import build_mapping
 
     tok = build_tokenizer(target)

@@ -8,7 +8,7 @@ from textual.containers import Vertical
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from eyas.daemon.client import DaemonError, DaemonNotRunning
+from eyas.wire.client import DaemonError, DaemonNotRunning
 
 from ..live import Changes
 from ..widgets.chrome import Banner, TopBar

@@ -15,7 +15,8 @@ from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.widgets import Collapsible, Static
 
-from .. import format as fmt
+from eyas.state import display
+
 from ..live import Changes
 from .base import EyasScreen
 
@@ -36,7 +37,7 @@ def error_body(err: dict) -> Group:
         where[0] += f" (TP worker {err.get('tp_rank')})"
     where += [f"pid {err['pid']}"] if err["pid"] is not None else []
     where += [f"on {err['host']}"] if err["host"] else []
-    where += [fmt.local_second(err["time"])]
+    where += [display.local_second(err["time"])]
     where += [f"from {err['source']}"] if err["source"] else []
     parts = [Text(" · ".join(where), style="dim"), Text(error_title(err), style="bold red")]
     tb = (err["traceback"] or "").rstrip()

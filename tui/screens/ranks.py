@@ -10,7 +10,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Static
 
-from eyas.state import contract
+from eyas.state import contract, display
 
 from .. import format as fmt
 from ..history import attempt_dir
@@ -75,7 +75,7 @@ class RanksScreen(EyasScreen):
         head.update(Text.assemble((f"{self.stage_name} attempt {a['number']} ", "bold"), fmt.badge(a["state"]),
                                   f"  ·  {a['world_size']} rank{'s' if a['world_size'] != 1 else ''}"
                                   f"  ·  devices {','.join(map(str, a['devices'])) or 'cpu'}"
-                                  f"  ·  {fmt.duration(a['duration'])}"))
+                                  f"  ·  {display.duration(a['duration'])}"))
         self._load_series()
         self._fill()
 
@@ -169,10 +169,10 @@ class RanksScreen(EyasScreen):
         rss = self._values(rank, "rss_bytes")
         label = f"└tp{r['tp_rank']}" if r.get("role") == "tp-worker" else str(rank)
         cells = {"rank": Text(label), "pid": Text(str(r["pid"] or "")), "state": fmt.badge(r["state"]),
-                 "exit": Text(fmt.exit_text(r), style="red" if r["state"] == "failed" else "")}
-        tok_now = fmt.count(toks[-1] if toks and alive else r["tok_s"])
+                 "exit": Text(display.exit_text(r), style="red" if r["state"] == "failed" else "")}
+        tok_now = display.count(toks[-1] if toks and alive else r["tok_s"])
         cpu_now = f"{cpu[-1]:.0f}%" if cpu and alive else ""
-        rss_now = fmt.size(rss[-1]).replace(" GiB", "G").replace(" MiB", "M") if rss and alive else ""
+        rss_now = display.size(rss[-1]).replace(" GiB", "G").replace(" MiB", "M") if rss and alive else ""
         if "gpu" in widths:
             mem = self._values(rank, "gpu_mem_bytes")
             devices = [int(d) for d in (r["device"] or "").split(",") if d.strip().isdigit()]
@@ -185,7 +185,7 @@ class RanksScreen(EyasScreen):
         tok_spark = fmt.sparkline(toks, widths.get("tok_spark", widths["tok_s"]))
         if "tok_spark" in widths:
             cells.update(tok_spark=tok_spark, tok_s=Text(tok_now), cpu=Text(cpu_now.rstrip("%")),
-                         rss=Text(fmt.size(rss[-1]) if rss and alive else ""))
+                         rss=Text(display.size(rss[-1]) if rss and alive else ""))
         else:
             cells.update(tok_s=Text("\n").join([Text(tok_now), tok_spark]),
                          cpu=Text("\n").join([Text(cpu_now), Text(rss_now)]))
@@ -195,7 +195,7 @@ class RanksScreen(EyasScreen):
         """A process under a rank: its name and status where the rank has state and exit."""
         dim = "dim"
         cpu = f"{kid['cpu_percent']:.0f}"
-        rss = fmt.size(kid["rss"])
+        rss = display.size(kid["rss"])
         cells = {"rank": Text("└", style=dim), "pid": Text(str(kid["pid"]), style=dim),
                  "state": Text(kid["name"][:9], style=dim), "exit": Text(kid["status"], style=dim)}
         if "rss" in widths:

@@ -8,6 +8,8 @@ from textual.binding import Binding
 from textual.containers import Vertical
 from textual.widgets import DataTable, ProgressBar, Static
 
+from eyas.state import display
+
 from .. import format as fmt
 from ..history import pick_stage
 from ..live import Changes
@@ -102,8 +104,8 @@ class RunScreen(EyasScreen):
         self.set_title(f"run {run['id']} · {run['name']}")
         summary = Text.assemble(
             (f"run {run['id']} ", "bold"), (run["name"] or "", "bold"), "  ", fmt.badge(run["state"]),
-            f"  ·  {run['model'] or 'no model'}  ·  started {fmt.local_minute(run['started_at'] or run['created_at'])}"
-            f"  ·  {fmt.duration(run['duration']) or '–'}")
+            f"  ·  {run['model'] or 'no model'}  ·  started {display.local_minute(run['started_at'] or run['created_at'])}"
+            f"  ·  {display.duration(run['duration']) or '–'}")
         if run["reason"] and run["state"] != "failed":  # a failure's reason is the root cause below
             summary.append(f"\n{run['reason']}", style="dim")
         self.query_one("#summary", Static).update(summary)
@@ -144,8 +146,8 @@ class RunScreen(EyasScreen):
         live = self.app.live.stage.get((self.run_id, s["name"]), {}) if s["state"] == "running" else {}
         toks = live.get("tok_s", s["tok_s"])
         cells = {"name": s["name"], "state": fmt.badge(s["state"]), "attempt": str(s["attempts"] or "–"),
-                 "restarts": str(s["restarts"] or 0), "duration": fmt.duration(s["duration"]),
-                 "tok_s": fmt.count(toks), "peak": fmt.size(s["peak_gpu_mem"]),
+                 "restarts": str(s["restarts"] or 0), "duration": display.duration(s["duration"]),
+                 "tok_s": display.count(toks), "peak": display.size(s["peak_gpu_mem"]),
                  "reason": Text(s["reason"] or "", style="dim")}
         return [cells[k] for k, _, _ in self._columns]
 
@@ -195,7 +197,7 @@ class RunScreen(EyasScreen):
             base = summary["baseline_acceptance_length"]
             bits = [f"accept {summary['acceptance_length']:.2f} (untrained {base:.2f})",
                     f"per position {rates}",
-                    f"{fmt.count(summary['draft_tok_s'])} tok/s with the draft, {fmt.count(summary['target_tok_s'])} "
+                    f"{display.count(summary['draft_tok_s'])} tok/s with the draft, {display.count(summary['target_tok_s'])} "
                     "without"]
             return bits + ["lossless" if summary.get("lossless") else "NOT lossless"]
         bits = []

@@ -7,6 +7,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Input, Static
 
+from eyas.state import display
 from eyas.state.machine import RUN_STATES
 
 from .. import format as fmt
@@ -81,13 +82,13 @@ class RunsScreen(EyasScreen):
         if r["state"] == "running" and r["stage"]:
             live = self.app.live.stage.get((r["id"], r["stage"]), {}).get("tok_s")
         toks = live if live is not None else r["tok_s"]
-        started = fmt.local_minute(r["started"])
+        started = display.local_minute(r["started"])
         cells = {"id": Text(str(r["id"]), justify="right"), "name": r["name"] or "", "model": r["model"] or "",
                  "state": fmt.badge(r["state"]), "stage": r["stage"] or "",
                  "started": started if self._wide_started else started[5:],
-                 "duration": Text(fmt.duration(r["duration"]), justify="right"),
-                 "peak_gpu_mem": Text(fmt.size(r["peak_gpu_mem"]), justify="right"),
-                 "tok_s": Text(fmt.count(toks), justify="right")}
+                 "duration": Text(display.duration(r["duration"]), justify="right"),
+                 "peak_gpu_mem": Text(display.size(r["peak_gpu_mem"]), justify="right"),
+                 "tok_s": Text(display.count(toks), justify="right")}
         return [cells[key] for key, _, _ in self._columns]
 
     def on_resize(self) -> None:

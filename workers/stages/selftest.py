@@ -23,7 +23,7 @@ import time
 
 from eyas.state import contract
 from eyas.state.runconfig import stage_options
-from eyas.workers import atomic
+from eyas.workers.runtime import atomic
 
 log = logging.getLogger("eyas.selftest")
 
@@ -86,7 +86,7 @@ def main(ctx) -> None:
 
 def gloo_teardown(ctx, mode: str) -> None:
     """Train a tiny DDP model on a gloo group, leave rank 0's gloo thread a collective to free late,
-    and tear down the old way ("naive": rank 0 deadlocks) or through eyas.workers.dist ("safe").
+    and tear down the old way ("naive": rank 0 deadlocks) or through eyas.workers.runtime.dist ("safe").
 
     The deadlock (Dist.close explains it) needs rank 0's gloo worker to free an allreduce, which
     needs the GIL, while the main thread holds the GIL in the group's destructor. In a real run
@@ -105,7 +105,7 @@ def gloo_teardown(ctx, mode: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from eyas.workers.dist import Dist, gloo_threads
+    from eyas.workers.runtime.dist import Dist, gloo_threads
 
     if ctx.world_size < 2:
         raise ValueError("selftest option gloo_teardown needs 2 or more ranks")

@@ -7,7 +7,7 @@ data_config.json, vocab/d2t-<N>.npy + t2d-<N>.npy. Outputs, under <output_dir>/t
                            optimizer.safetensors and trainer_state.json beside it;
 - checkpoints/step-<n>/    the newest mid-epoch checkpoint, when options.save_every is set;
 - checkpoints/best         a link to the epoch with the lowest validation loss.
-A retried attempt resumes from the furthest checkpoint (workers/checkpoint.py).
+A retried attempt resumes from the furthest checkpoint (workers/train/checkpoint.py).
 
 Run config: [draft] vocab_size, num_layers, ttt_steps; [train] epochs, lr, batch_tokens (the
 packing budget per rank and step), warmup_steps, weight_decay, grad_clip, noise_std, seed,
@@ -29,7 +29,7 @@ import logging
 from typing import Any
 
 from eyas.state import contract
-from eyas.workers import atomic
+from eyas.workers.runtime import atomic
 
 log = logging.getLogger("eyas.train")
 
@@ -53,7 +53,7 @@ def _fused_available() -> bool:
 def settings(ctx):
     """The attempt's Settings, from the run config in the rank context."""
     from eyas.state.runconfig import RunConfig, stage_options
-    from eyas.workers.train_loop import Settings
+    from eyas.workers.train.loop import Settings
 
     cfg = RunConfig.from_dict(ctx.config)
     if cfg.target is None:
@@ -86,7 +86,7 @@ def settings(ctx):
 
 def main(ctx) -> None:
     s = settings(ctx)
-    from eyas.workers.train_loop import Trainer
+    from eyas.workers.train.loop import Trainer
 
     summary = Trainer(ctx, s).run()
     if ctx.rank == 0:

@@ -21,8 +21,8 @@ import numpy as np
 
 from eyas.state import contract
 from eyas.state.runconfig import RunConfig
-from eyas.workers import atomic
-from eyas.workers.target_vocab import target_vocab_size
+from eyas.workers.data.target_vocab import target_vocab_size
+from eyas.workers.runtime import atomic
 
 log = logging.getLogger("eyas.vocab")
 

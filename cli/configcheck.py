@@ -1,0 +1,65 @@
+"""`eyas validate CONFIG`: check a run config without submitting it.
+
+Prints what the run would do (pipeline, layer ids and what they mean, ranks per stage), or
+every mistake on stderr with exit code 2. Needs no daemon, and no torch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from eyas.state.runconfig import ConfigError, RunConfig, load, stage_world_size
+from eyas.state.target import num_hidden_layers
+
+
+def layer_meaning(layer_id: int, n: int) -> str:
+    """What hidden state a layer id names (vLLM / speculators convention, docs/ARCHITECTURE.md)."""
+    if layer_id == 0:
+        return "embeddings"
+    if layer_id == n:
+        return "final pre-norm output"
+    return f"entering layer {layer_id}"
+
+
+def summary(cfg: RunConfig) -> list[str]:
+    rows = [("name", cfg.name), ("pipeline", " -> ".join(cfg.pipeline))]
+    n = None
+    if cfg.target is not None:
+        n = num_hidden_layers(cfg.target.path)
+        remote = ", trust_remote_code" if cfg.target.trust_remote_code else ""
+        rows.append(("target", f"{cfg.target.path} ({n} layers, {cfg.target.dtype}{remote})"))
+    if cfg.data is not None:
+        rows.append(("data", f"{cfg.data.path} ({cfg.data.format}, max_length {cfg.data.max_length})"))
+    if "extract" in cfg.pipeline:
+        ex = cfg.extract
+        rows.append(("extract", f"{ex.backend}, tensor parallel {ex.tensor_parallel_size}, batch {ex.batch_size}"))
+    if cfg.extract.layer_ids is not None:
+        ids = cfg.extract.layer_ids
+        rows.append(("layer ids", ", ".join(
+            f"{i} ({layer_meaning(i, n)})" if n is not None else str(i) for i in ids)))
+    if "evaluate" in cfg.pipeline:
+        ev = cfg.evaluate
+        prompts = ev.prompts or "prepare's validation rows"
+        limit = f"up to {ev.max_prompts}" if ev.max_prompts else "all"
+        rows.append(("evaluate", f"vLLM, {ev.num_speculative_tokens} draft tokens, tensor parallel "
+                                 f"{ev.tensor_parallel_size}, {limit} prompts from {prompts}, "
+                                 f"{ev.max_tokens} tokens each"))
+    rows.append(("ranks", ", ".join(f"{s} {stage_world_size(cfg, s)}" for s in cfg.pipeline)))
+    devices = cfg.resources.devices
+    rows.append(("devices", devices if isinstance(devices, str) else ", ".join(map(str, devices))))
+    rows.append(("output", cfg.output_dir or "chosen by the daemon (<state>/runs/<id>/out)"))
+    width = max(len(k) for k, _ in rows)
+    return [f"  {k.ljust(width)}  {v}" for k, v in rows]
+
+
+def command(args) -> int:
+    try:
+        cfg = load(args.config)
+    except ConfigError as exc:
+        for line in exc.errors:
+            print(line, file=sys.stderr)
+        return 2
+    print(f"{args.config}: valid")
+    for line in summary(cfg):
+        print(line)
+    return 0

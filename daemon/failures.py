@@ -1,0 +1,181 @@
+"""How a root cause is chosen, in one place: which exits are a rank's own failure, their order (the first is the root cause), and the error record each one becomes.
+
+The rules, in order:
+- a rank's failure is its own only if it came before eyas began tearing the group down (a
+  signal eyas sent, or an error raised because of it, is a consequence, never a cause);
+- the earliest failure is the root cause, by the time of its exception where it raised one,
+  else of its exit; a TP worker's error, written inside the worker before vLLM flattens it
+  into `Worker failed with error ''` for the driver, therefore wins over the driver's;
+- one exception to time order: a peer's lost-connection error just before a death by signal
+  is that death's consequence, and the death goes first;
+- the watchdog's finding (daemon/watchdog.py) leads when it found a stall (the ranks' own
+  failures came after the daemon gave up on them); a straggler's record is ordered by time;
+- a rank whose exit or error file is missing because the state directory was full is named
+  for that (ENOSPC), not as a plain exit code or a lost rank;
+- no record is ever empty: an exception keeps its type and traceback even with an empty
+  message; a death by signal names the signal, and an OOM kill says so.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from eyas.state import contract, procs
+from eyas.state.contract import ErrorRecord
+
+from .ranks import RankExit, log_tail
+
+if TYPE_CHECKING:
+    from .group import Group
+
+
+def who(ex: RankExit) -> str:
+    return f"TP rank {ex.tp_rank}" if ex.tp_rank is not None else f"rank {ex.rank}"
+
+
+def exit_text(ex: RankExit) -> str:
+    who_ = who(ex)
+    if ex.lost:
+        return f"{who_} lost"
+    if ex.signal is not None:
+        return f"{who_} killed by {ex.signal_name}" + (" (OOM)" if ex.oom_killed else "")
+    if ex.error is not None:
+        return f"{who_} raised {ex.error.get('type')}"
+    if ex.tp_rank is not None and not ex.unexpected:
+        return f"{who_} ended with its engine"
+    return f"{who_} exited with code {ex.exit_code}"
+
+
+# How long after a peer's lost-connection error a death by signal still counts as its cause.
+PEER_LOSS_WINDOW = 1.0
+
+
+# What gloo, NCCL and torch.distributed say when the other end of a collective went away.
+_PEER_LOSS = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|DistBackendError|"
+                        r"DistNetworkError|remote process exited|NCCL communicator was aborted", re.IGNORECASE)
+
+
+def _failure_time(ex: RankExit) -> float:
+    """When a failure happened: its exception's own time if it raised one, else its exit."""
+    return float((ex.error or {}).get("time") or ex.time)
+
+
+def _is_peer_loss(error: dict) -> bool:
+    return bool(_PEER_LOSS.search(f"{error.get('type', '')}: {error.get('message', '')}"))
+
+
+def counts_as_failure(group: Group, ex: RankExit) -> bool:
+    """A rank's own failure, as opposed to the signal eyas sent it while tearing down."""
+    if not ex.failed:
+        return False
+    if group.teardown_since is None:
+        return True
+    if ex.error is not None:
+        return float(ex.error.get("time") or ex.time) < group.teardown_since
+    # Seen to end before the teardown began: the rank's own doing, whatever the cause (a
+    # bare exit code counts too: a rank that could not write its error file on a full
+    # disk is often what started the teardown, and must not be forgotten at settlement).
+    return ex.time < group.teardown_since
+
+
+def failures(group: Group) -> list[RankExit]:
+    """The ranks' own failures, earliest first: the first one is the root cause.
+
+    One exception to time order: a peer's lost-connection error just before a death by
+    signal is that death's consequence. A death's time is when its monitor's waitpid
+    returned, a few ms after the kernel closed the dead rank's sockets, and the
+    survivors' collective library reports the closed socket at once, so the effect can
+    be stamped before its cause.
+    """
+    members = list(group.ranks) + [group.workers[k] for k in sorted(group.workers)]
+    found = [r.exit for r in members if r.exit is not None and counts_as_failure(group, r.exit)]
+    found.sort(key=lambda e: (_failure_time(e), e.rank))
+    if found and found[0].error is not None and _is_peer_loss(found[0].error):
+        first = _failure_time(found[0])
+        for i, e in enumerate(found):
+            if e.error is None and e.signal is not None and _failure_time(e) - first <= PEER_LOSS_WINDOW:
+                found.insert(0, found.pop(i))
+                break
+    return found
+
+
+def describe_failure(group: Group, ex: RankExit, host: str) -> contract.ErrorRecord:
+    """The error record of one failed rank. Never empty: an exception keeps its type and
+    traceback even with an empty message; a signal death names the signal."""
+    rank = group.rank_of(ex.rank)
+    tp = {"role": "tp-worker", "tp_rank": ex.tp_rank} if ex.tp_rank is not None else {}
+    if ex.error is not None:
+        e = ex.error
+        path = (contract.tp_file(ex.tp_rank, contract.ERROR) if ex.tp_rank is not None
+                else contract.rank_file(ex.rank, contract.ERROR))
+        return contract.ErrorRecord(
+            rank=ex.rank, pid=e.get("pid", ex.pid), host=e.get("host", host),
+            type=e.get("type") or "Exception", message=e.get("message") or "",
+            traceback=e.get("traceback") or log_tail(rank.log_path), time=float(e.get("time") or ex.time),
+            source="exception", path=str(group.dir / path), **tp,
+        )
+    tail = log_tail(rank.log_path)
+    if ex.tp_rank is not None:
+        if ex.signal is not None:
+            kind, how = ex.signal_name, f"was killed by {ex.signal_name} (signal {ex.signal})"
+        elif ex.exit_code is not None:
+            kind, how = "ExitCode", f"exited with code {ex.exit_code}"
+        else:
+            kind, how = "WorkerDied", "ended (its exit status was not known yet when vLLM looked)"
+        return contract.ErrorRecord(
+            rank=ex.rank, pid=ex.pid, host=host, type=kind,
+            message=f"TP rank {ex.tp_rank} (pid {ex.pid}) {how}: vLLM's executor reported that it died unexpectedly",
+            traceback=tail, time=ex.time, source="signal" if ex.signal else "exit", path=str(rank.log_path), **tp)
+    if ex.lost:
+        kind, msg, source = "Lost", (
+            f"rank {ex.rank} (pid {ex.pid}) ended while the daemon was down and left no exit record"
+        ), "lost"
+    elif ex.signal is not None:
+        kind = ex.signal_name
+        msg = f"rank {ex.rank} (pid {ex.pid}) was killed by {kind} (signal {ex.signal})"
+        if ex.oom_killed:
+            msg += ": the kernel's OOM killer ended it (out of memory)"
+        source = "signal"
+    else:
+        kind, msg, source = "ExitCode", (
+            f"rank {ex.rank} (pid {ex.pid}) exited with code {ex.exit_code} without a Python exception"
+        ), "exit"
+    return contract.ErrorRecord(rank=ex.rank, pid=ex.pid, host=host, type=kind, message=msg, traceback=tail,
+                                time=ex.time, source=source, path=str(rank.log_path))
+
+
+def ordered(group: Group, host: str, stuck: ErrorRecord | None) -> list[tuple[RankExit | None, ErrorRecord]]:
+    """The group's failures as (whose, error record), root cause first; `stuck` is the
+    watchdog's record (None: it found nothing), whose entry has no rank exit."""
+    records = [(ex, describe_failure(group, ex, host)) for ex in failures(group)]
+    if stuck is not None and group.stuck["kind"] == "stall":
+        # The ranks' own failures, if any, came after the daemon gave up on them.
+        records.insert(0, (None, stuck))
+    elif stuck is not None:
+        # A straggler's own exception, raised before it hung on its way out, stays the cause.
+        records = sorted([*records, (None, stuck)], key=lambda pair: pair[1].time)
+    return records
+
+
+def as_recorded(core, group: Group, ex: RankExit | None, rec: ErrorRecord) -> ErrorRecord:
+    """One failure's error record as it is written; a rank whose exit or error file is missing
+    because the state directory was full is named for that, not as a plain exit code or a lost
+    rank. Decided at each try: the settlement's own write may be what shows the disk full."""
+    if ex is None or ex.tp_rank is not None or ex.error is not None or ex.signal is not None or not _was_full(core, group):
+        return rec
+    missing = [name for name in (contract.rank_file(ex.rank, contract.EXIT), contract.rank_file(ex.rank, contract.ERROR))
+               if not (group.dir / name).exists()]
+    if not missing:
+        return rec
+    how = f"exited with code {ex.exit_code}" if ex.exit_code is not None else "ended"
+    return rec.replace(type="ENOSPC", source="disk_full", path=str(group.dir / missing[0]),
+                       message=f"ENOSPC while writing {' and '.join(missing)}: the state directory {core.home} "
+                               f"was full (no space left on device); rank {ex.rank} (pid {ex.pid}) {how}",
+                       traceback=rec.traceback or log_tail(group.rank_of(ex.rank).log_path))
+
+
+def _was_full(core, group: Group) -> bool:
+    disk = core.disk
+    return (disk.full or (disk.seen_at is not None and disk.seen_at >= group.started_at - procs.CREATE_TIME_SLACK_S)
+            or disk.low(group.dir))

@@ -1,0 +1,81 @@
+"""Metrics: sample the live ranks once a second (daemon/sampler.py), publish the samples to subscribers, and hand them to the store thread in one write however long a lock holds it."""
+
+from __future__ import annotations
+
+import threading
+
+from eyas.state import contract, store
+
+from .group import Group
+from .ranks import Rank
+from .sampler import RankRef
+
+
+def _running(rank: Rank) -> bool:
+    """Still worth sampling: not ended, or ended only by its own error record (it may live on)."""
+    return rank.exit is None or (rank.exit.error is not None and rank.exit.signal is None)
+
+
+class Metrics:
+    """The sampling half of the daemon's Core (daemon/core.py)."""
+
+    _metrics_lock: threading.Lock
+
+    def sample(self, now: float, groups: list[Group] | None = None, final: bool = False) -> None:
+        """Sample the live ranks (or, with `final`, every rank of `groups` one last time, so
+        that the progress lines written just before exiting are not lost)."""
+        groups = list(self.groups.values()) if groups is None else groups
+        refs = []
+        for g in groups:
+            # A TP worker is measured as its own rank, so its tree is kept out of its driver's.
+            tp_pids = frozenset(w.pid for w in g.workers.values() if w.pid)
+            refs += [RankRef(g.run_id, g.stage, g.attempt, g.attempt_id, r.rank, r.monitor_pid, r.monitor_create_time,
+                             g.dir / contract.rank_file(r.rank, contract.PROGRESS), g.metrics_since, exclude=tp_pids)
+                     for r in g.ranks if final or r.exit is None]
+            refs += [RankRef(g.run_id, g.stage, g.attempt, g.attempt_id, w.rank, w.pid, w.create_time,
+                             g.dir / contract.tp_file(k, contract.PROGRESS), g.metrics_since)
+                     for k, w in sorted(g.workers.items()) if final or _running(w)]
+        if not refs:
+            return
+        result = self.sampler.sample(refs, now)
+        for (attempt_id, _rank), pids in result.descendants.items():
+            group = self.groups.get(attempt_id)
+            if group is not None:
+                group.seen.update(pids)
+        attempt_of = {(g.run_id, g.stage): g.attempt_id for g in groups}
+        self.stage_live.update(result.stages)
+        self._queue_metrics(result.metrics, result.ranks,
+                            {attempt_of[key]: key for key in result.stages})
+        by_group: dict[tuple, list] = {}
+        for row in result.metrics:
+            if row["run_id"] is not None:
+                by_group.setdefault((row["run_id"], row["stage"], row["attempt"]), []).append(row)
+        for (run_id, stage, attempt), rows in by_group.items():
+            self.publish("metric", {"run_id": run_id, "stage": stage, "attempt": attempt, "samples": rows,
+                                    "live": self.stage_live.get((run_id, stage))})
+
+    def _queue_metrics(self, rows: list[dict], ranks: dict, stages: dict) -> None:
+        """Hand a sample to the store thread. Samples taken while a write waits (a held lock)
+        join the one queued write, so a long lock costs one transaction, not one per second."""
+        with self._metrics_lock:
+            buf = self._metrics_buf
+            if buf is None:
+                buf = self._metrics_buf = {"rows": [], "ranks": {}, "stages": {}}
+                queue = True
+            else:
+                queue = False
+            buf["rows"].extend(rows)
+            for key, fields in ranks.items():
+                buf["ranks"].setdefault(key, {}).update(fields)
+            buf["stages"].update(stages)
+        if queue:
+            taken: list[dict] = []
+
+            def write(db):
+                if not taken:           # once: a try that met the lock keeps what it took
+                    with self._metrics_lock:
+                        taken.append(self._metrics_buf)
+                        self._metrics_buf = None
+                store.write_metrics(db, taken[0])
+
+            self.write_later(write, "writing metrics to eyas.db")

@@ -1,0 +1,306 @@
+"""Tiny, deterministic test assets, built from a seed on the spot: a tokenizer, targets and chats.
+
+One module builds them all, for the tests and for `eyas demo`:
+
+- a byte-level BPE tokenizer with a chat template that marks generation;
+- a tiny `DeepseekV3ForCausalLM` (MLA + MoE) and a tiny `LlamaForCausalLM`, in dimensions that
+  vLLM's CPU build also accepts (docs/ARCHITECTURE.md, Engines on CPU: head_dim 64; kv_lora_rank + qk_rope_head_dim
+  == 576; "topk_method": "noaux_tc" written into config.json);
+- a synthetic multi-turn chat dataset (ShareGPT form, with system turns and <think>
+  reasoning), a few rows of it malformed on purpose.
+
+Heavy imports (torch, transformers, tokenizers) happen inside the functions.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<think>", "</think>"]
+
+# Assistant content sits inside {% generation %} so that transformers can return the
+# assistant-token mask; the closing <|end|> is generated too (the model must learn to stop).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}<|system|>{{ message['content'] }}<|end|>"
+    "{% elif message['role'] == 'user' %}<|user|>{{ message['content'] }}<|end|>"
+    "{% elif message['role'] == 'assistant' %}<|assistant|>"
+    "{% generation %}{{ message['content'] }}<|end|>{% endgeneration %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+_WORDS = (
+    "the a small large quick slow red blue green model draft target token layer hidden state "
+    "cat dog bird fish tree river stone cloud light shadow train learn predict verify accept "
+    "one two three four five six seven eight nine ten and or but so then because if when "
+    "is was will can should may run walk fly swim sing write read count add think answer"
+).split()
+
+
+def _sentence(rng: random.Random, lo: int = 4, hi: int = 12) -> str:
+    words = [rng.choice(_WORDS) for _ in range(rng.randint(lo, hi))]
+    return " ".join(words).capitalize() + rng.choice([".", ".", "?", "!"])
+
+
+def _count_reply(rng: random.Random) -> str:
+    # A predictable pattern: drafts can learn it, so acceptance has something to measure.
+    start = rng.randint(1, 20)
+    return "Counting: " + " ".join(str(n) for n in range(start, start + rng.randint(5, 12))) + "."
+
+
+def conversations(n: int = 300, seed: int = 0) -> list[dict]:
+    """`n` well-formed ShareGPT conversations (`conversations` of {from, value})."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        turns = []
+        if rng.random() < 0.3:
+            turns.append({"from": "system", "value": "You are a helpful assistant. " + _sentence(rng)})
+        for _ in range(rng.randint(1, 3)):
+            turns.append({"from": "human", "value": _sentence(rng)})
+            reply = _count_reply(rng) if rng.random() < 0.4 else " ".join(_sentence(rng) for _ in range(rng.randint(1, 3)))
+            if rng.random() < 0.25:
+                reply = f"<think>{_sentence(rng)}</think>{reply}"
+            turns.append({"from": "gpt", "value": reply})
+        rows.append({"id": f"conv-{i}", "conversations": turns})
+    return rows
+
+
+# Malformed rows, one per reason that `prepare` must skip and count. Raw bytes, since some
+# are not even JSON or UTF-8.
+MALFORMED_LINES: dict[str, bytes] = {
+    "invalid_json": b'{"conversations": [{"from": "human", "value": "hi"}\n',
+    "unknown_role": json.dumps({"conversations": [{"from": "robot", "value": "beep"},
+                                                  {"from": "gpt", "value": "ok"}]}).encode() + b"\n",
+    "missing_role": json.dumps({"conversations": [{"value": "who am I"}, {"from": "gpt", "value": "ok"}]}).encode() + b"\n",
+    "empty_content": json.dumps({"conversations": [{"from": "human", "value": ""},
+                                                   {"from": "gpt", "value": "ok"}]}).encode() + b"\n",
+    "wrong_type": json.dumps({"conversations": [{"from": "human", "value": 42},
+                                                {"from": "gpt", "value": "ok"}]}).encode() + b"\n",
+    "not_utf8": b'{"conversations": [{"from": "human", "value": "caf\xe9"}, {"from": "gpt", "value": "ok"}]}\n',
+}
+
+
+def write_dataset(path: Path, n: int = 300, seed: int = 0, malformed: bool = True) -> Path:
+    """Write a ShareGPT JSONL file: `n` good conversations with the malformed lines spread in."""
+    rows = [json.dumps(r).encode() + b"\n" for r in conversations(n, seed)]
+    if malformed:
+        rng = random.Random(seed + 1)
+        for line in MALFORMED_LINES.values():
+            rows.insert(rng.randrange(len(rows) + 1), line)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"".join(rows))
+    return path
+
+
+def build_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 512):
+    """Train a byte-level BPE tokenizer on the synthetic chats and save it with its template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [t["value"] for c in conversations(400, seed) for t in c["conversations"]]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|end|>",
+                                   pad_token="<|pad|>", additional_special_tokens=SPECIAL_TOKENS[3:])
+    fast.chat_template = CHAT_TEMPLATE
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """The dimensions of a tiny target, small enough for CPU and accepted by vLLM's CPU build."""
+
+    family: str                 # "deepseek_v3" | "llama"
+    hidden_size: int = 64
+    num_hidden_layers: int = 8
+    intermediate_size: int = 128
+
+
+def _deepseek_config(spec: TinySpec, vocab: int, tokenizer):
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=vocab, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        moe_intermediate_size=32, num_hidden_layers=spec.num_hidden_layers, num_attention_heads=2,
+        num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.0,
+        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        max_position_embeddings=2048, rope_scaling=None, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, num_nextn_predict_layers=0,
+    )
+
+
+def _llama_config(spec: TinySpec, vocab: int, tokenizer):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.hidden_size // 64,
+        num_key_value_heads=spec.hidden_size // 64, head_dim=64, max_position_embeddings=2048,
+        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def build_model(out_dir: Path, family: str = "deepseek_v3", seed: int = 0, spec: TinySpec | None = None,
+                dtype: str = "float32") -> Path:
+    """Save a random-weight tiny target (weights, config.json, tokenizer) to `out_dir`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec = spec or TinySpec(family, hidden_size=64 if family == "deepseek_v3" else 128)
+    tokenizer = build_tokenizer(out_dir, seed)
+    vocab = len(tokenizer)
+    config = {"deepseek_v3": _deepseek_config, "llama": _llama_config}[family](spec, vocab, tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if family == "deepseek_v3":
+        _vllm_routing(out_dir)
+    return out_dir
+
+
+HEAD_NORM = 1.0     # the fitted head's mean row norm (see fit_to_chats)
+
+
+def fit_to_chats(model_dir: Path, steps: int, seed: int = 0, lr: float = 0.05) -> float:
+    """Fit the tiny target's output head (lm_head) to the synthetic chats and save it in place;
+    the final next-token loss.
+
+    For the demo: a random-weight target answers in byte tokens that no chat contains, so no
+    draft can learn to predict its answers. The head alone is fitted, on the final hidden
+    states of every chat computed once (a softmax regression, seconds on a CPU, where training
+    the whole MLA + MoE stack takes minutes): the target then answers in the chats' words and
+    patterns, and the evaluate stage measures a draft that has something to learn. The tests
+    keep the random targets, on whose figures they were calibrated.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eyas.workers.data.reader import normalize
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    features, targets = [], []
+    with torch.no_grad():
+        for c in conversations(seed=seed):      # the chats write_dataset writes, as prepare reads them
+            messages = normalize(c, "sharegpt", len(tokenizer)).messages
+            ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+            hidden = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+            features.append(hidden[:-1])
+            targets.append(torch.tensor(ids[1:]))
+    x, y = torch.cat(features), torch.cat(targets)
+    head = model.lm_head
+    torch.manual_seed(seed)
+    optimizer = torch.optim.Adam(head.parameters(), lr=lr)
+    loss = torch.tensor(float("nan"))
+    for _ in range(steps):
+        loss = torch.nn.functional.cross_entropy(head(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        # Scaling a row-normalised head changes no greedy choice, only how sharp the target's
+        # distribution is: the fit leaves rows ~40x the initial norm (logits near 50), a target
+        # so peaked that a draft trained on its distribution barely learns.
+        head.weight.mul_(HEAD_NORM / head.weight.norm(dim=1).mean())
+    # Only the weights change: save_pretrained would rewrite config.json without the keys that
+    # only vLLM reads (_vllm_routing), so the config is kept as it was.
+    config = (model_dir / "config.json").read_text()
+    model.save_pretrained(model_dir, safe_serialization=True)
+    (model_dir / "config.json").write_text(config)
+    return float(loss.detach())
+
+
+def _vllm_routing(model_dir: Path) -> None:
+    """vLLM's DeepseekV2 loader reads topk_method and scoring_func; transformers writes neither
+    (its DeepseekV3 always routes with sigmoid, vLLM's default is softmax), and the target must
+    compute the same function in both engines: a draft trained on transformers' hidden states
+    is evaluated against vLLM's."""
+    cfg_path = model_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["topk_method"] = "noaux_tc"
+    cfg["scoring_func"] = "sigmoid"
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
+MARKER = "eyas-asset.json"
+
+
+def build_all(root: Path, seed: int = 0, fit_steps: int = 0) -> dict[str, Path]:
+    """Everything the demo and the end-to-end tests need, under `root`; idempotent.
+
+    `fit_steps` > 0 trains the tiny DeepSeek target on the chats first (fit_to_chats). Each model
+    is built in a scratch directory and renamed into place whole, with a marker of how it was
+    built: an interrupted build leaves nothing that looks finished, and a model built another
+    way (another seed, fitted or not) is rebuilt.
+    """
+    import shutil
+
+    root.mkdir(parents=True, exist_ok=True)
+    for scratch in root.glob(".*.partial"):       # an interrupted build's
+        if scratch.is_dir():
+            shutil.rmtree(scratch, ignore_errors=True)
+        else:
+            scratch.unlink()
+    out = {"tiny-deepseek": root / "tiny-deepseek", "tiny-llama": root / "tiny-llama",
+           "chat.jsonl": root / "chat.jsonl"}
+    for name, family in (("tiny-deepseek", "deepseek_v3"), ("tiny-llama", "llama")):
+        fit = fit_steps if family == "deepseek_v3" else 0
+        how = {"family": family, "seed": seed, "fit_steps": fit, "head_norm": HEAD_NORM if fit else None}
+        marker = out[name] / MARKER
+        built = json.loads(marker.read_text()) if marker.exists() else {}
+        if {k: built.get(k) for k in how} == how:
+            continue
+        scratch = root / f".{name}.partial"
+        shutil.rmtree(scratch, ignore_errors=True)
+        build_model(scratch, family, seed)
+        if how["fit_steps"]:
+            how["final_loss"] = round(fit_to_chats(scratch, how["fit_steps"], seed), 4)
+        (scratch / MARKER).write_text(json.dumps(how))
+        shutil.rmtree(out[name], ignore_errors=True)
+        scratch.rename(out[name])
+    if not out["chat.jsonl"].exists():
+        write_dataset(root / ".chat.jsonl.partial", seed=seed).rename(out["chat.jsonl"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m eyas.workers.models.assets DIR`: build everything under DIR; print the paths as JSON.
+
+    The demo runs this in a child process, so that its own process (the CLI) never imports torch.
+    """
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m eyas.workers.models.assets", description=main.__doc__.splitlines()[0])
+    parser.add_argument("dir", type=Path, help="where to build (created if missing; existing assets are kept)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fit-steps", type=int, default=0,
+                        help="train the tiny DeepSeek target on the chats for this many steps (the demo's)")
+    args = parser.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    made = build_all(args.dir.absolute(), seed=args.seed, fit_steps=args.fit_steps)
+    print(json.dumps({k: str(v) for k, v in made.items()}))
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,474 @@
+"""The training loop around speculators' Eagle3DraftModel, on torch.distributed.
+
+speculators' own Trainer assumes CUDA (docs/ARCHITECTURE.md, Engines on CPU), so this loop does what it does in the
+same order, on any device: the model's forward computes the loss and the per-TTT-step
+counts (speculators' compute_metrics); gradients are synchronised by DDP, or sharded by FSDP2
+(speculators' apply_fully_sharded); metrics are summed across ranks with one all_reduce and
+turned into ratios as speculators does (sum / total). Around it: AdamW, warmup then decay
+(transformers' schedules, as speculators), gradient clipping, optional Gaussian noise on the
+draft's input hidden states, validation before training and after every epoch, and
+checkpoints that a retried attempt resumes from (workers/train/checkpoint.py).
+
+Everything that decides which batch comes when is a pure function of the run's config
+(workers/train/data.py: plan), and the noise of a step is drawn from a generator seeded by
+(seed, step, rank): a resumed attempt replays exactly the steps an uninterrupted run makes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eyas.workers.runtime.cpu_share import share_cpus
+from eyas.workers.runtime.dist import Dist
+from eyas.workers.train import checkpoint
+from eyas.workers.train import data as train_data
+from eyas.workers.train import model as train_model
+from eyas.workers.train.metrics import Meter, ratios
+
+log = logging.getLogger("eyas.train")
+
+MODEL_INPUTS = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
+                "verifier_last_hidden_states")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one training attempt needs, resolved from the run config (stages/train.py)."""
+
+    target_path: str
+    trust_remote_code: bool
+    draft_vocab: int
+    num_layers: int
+    ttt_steps: int
+    epochs: int
+    lr: float
+    batch_tokens: int
+    warmup_steps: int
+    weight_decay: float
+    grad_clip: float
+    noise_std: float
+    seed: int
+    strategy: str                   # "ddp" | "fsdp"
+    device: str                     # "cpu" | "cuda"
+    prepare_dir: Path
+    extract_dir: Path
+    vocab_dir: Path
+    out_dir: Path                   # <output_dir>/train
+    scheduler: str = "linear"       # "linear" | "cosine" | "constant"
+    save_every: int = 0             # a mid-epoch checkpoint every N steps; 0: at epoch ends only
+    log_every: int = 1
+    num_workers: int = 0
+    loss: str = "kl_div"
+    loss_implementation: str = "eager"
+    attn_impl: str = "sdpa"
+    ttt_step_loss_decay: float = 1.0
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+    def identity(self, layout: train_data.Layout, world_size: int, n_train: int) -> dict[str, Any]:
+        """What a checkpoint must share with this attempt to be resumed from: the model's shape,
+        and everything the batch plan and the schedule depend on. (Not the strategy: DDP and
+        FSDP checkpoints both hold full state dicts.)"""
+        return {"target": str(Path(self.target_path).resolve()), "layer_ids": list(layout.layer_ids),
+                "draft_vocab_size": self.draft_vocab, "num_layers": self.num_layers, "ttt_steps": self.ttt_steps,
+                "epochs": self.epochs, "batch_tokens": self.batch_tokens, "seed": self.seed,
+                "world_size": world_size, "train_rows": n_train}
+
+
+def make_scheduler(optimizer, kind: str, warmup: int, total: int):
+    """Linear warmup to the base lr over `warmup` steps, then decay to 0 at `total` (linear or
+    cosine, transformers' schedules as speculators uses them) or stay (constant)."""
+    from transformers import (
+        get_constant_schedule_with_warmup,
+        get_cosine_schedule_with_warmup,
+        get_linear_schedule_with_warmup,
+    )
+
+    warmup = min(warmup, max(total - 1, 0))
+    if kind == "linear":
+        return get_linear_schedule_with_warmup(optimizer, warmup, total)
+    if kind == "cosine":
+        return get_cosine_schedule_with_warmup(optimizer, warmup, total)
+    return get_constant_schedule_with_warmup(optimizer, warmup)
+
+
+@dataclass
+class _Position:
+    epoch: int = 0          # the epoch to run next (0-based)
+    step: int = 0           # batches of that epoch already done
+    global_step: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)   # validations
+    best: dict[str, Any] | None = None
+    train_loss: float | None = None
+
+
+class Trainer:
+    def __init__(self, ctx, s: Settings):
+        self.ctx, self.s = ctx, s
+        self.main = ctx.rank == 0
+        self.progress = ctx.progress
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def _data(self) -> None:
+        from datasets import load_from_disk
+
+        s, ctx = self.s, self.ctx
+        ds_path = s.prepare_dir / "dataset"
+        if not ds_path.is_dir():
+            raise train_data.DataError(f"{ds_path}: no prepared dataset; run the prepare stage first")
+        dataset = load_from_disk(str(ds_path))
+        self.layout = train_data.read_layout(s.extract_dir)
+        train_rows, val_rows = train_data.read_splits(s.prepare_dir, len(dataset))
+        if len(train_rows) < ctx.world_size:
+            raise train_data.DataError(f"{len(train_rows)} training rows cannot feed {ctx.world_size} ranks; "
+                                       "add data or lower resources.ranks")
+        hs_dir = s.extract_dir / train_data.HS_DIR
+        self.hs_dtype = torch.bfloat16 if s.device == "cuda" else torch.float32
+        self.collate = train_data.collate_fn(s.batch_tokens, self.layout, self.hs_dtype)
+        self.train_set = train_data.HiddenStatesDataset(dataset, train_rows, hs_dir, self.layout, s.batch_tokens)
+        self.val_set = (train_data.HiddenStatesDataset(dataset, val_rows, hs_dir, self.layout, s.batch_tokens)
+                        if val_rows else None)
+        lengths = self.train_set.approx_lengths
+        self.lengths = lengths
+        longest = max(lengths)
+        if longest > s.batch_tokens and self.main:
+            log.warning("samples up to %d tokens are cut at train.batch_tokens = %d; raise it to train on them whole",
+                        longest, s.batch_tokens)
+        self.plans = [train_data.plan(lengths, s.batch_tokens, ctx.world_size, ctx.rank, s.seed, e)
+                      for e in range(s.epochs)]
+        if not self.plans[0]:
+            raise train_data.DataError("no training batch could be packed; lower train.batch_tokens")
+        self.total_steps = sum(len(p) for p in self.plans)
+        self.val_plan = (train_data.plan(self.val_set.approx_lengths, s.batch_tokens, ctx.world_size, ctx.rank,
+                                         s.seed, 0) if self.val_set else [])
+        if self.val_set and not self.val_plan and self.main:
+            log.warning("%d validation rows are fewer than the %d ranks: no validation", len(val_rows),
+                        ctx.world_size)
+        self.n_train, self.n_val = len(train_rows), len(val_rows)
+
+    def _tokens(self, batch: list[int]) -> int:
+        return train_data.batch_tokens_of(batch, self.lengths, self.s.batch_tokens)
+
+    def _done_before(self, epoch: int, step: int) -> tuple[int, int]:
+        """(samples, tokens) this rank has trained on before batch `step` of `epoch`."""
+        done = [b for e in range(min(epoch, len(self.plans))) for b in self.plans[e]]
+        if epoch < len(self.plans):
+            done += self.plans[epoch][:step]
+        return sum(len(b) for b in done), sum(self._tokens(b) for b in done)
+
+    def _model(self):
+        s = self.s
+        torch.manual_seed(s.seed)       # the same initial draft on every rank, and on every retry
+        return train_model.build(s.target_path, self.layout.aux_ids, s.draft_vocab, s.num_layers, s.ttt_steps,
+                                 s.vocab_dir, s.attn_impl, s.trust_remote_code)
+
+    def _resume(self, model) -> tuple[checkpoint.Checkpoint | None, _Position]:
+        s = self.s
+        if self.main:
+            removed = checkpoint.clean(s.checkpoints)
+            if removed:
+                log.info("removed %d partial checkpoint(s) left by an interrupted save", removed)
+        self.dist.barrier()     # nobody looks before the leftovers are gone
+        ckpt = checkpoint.latest(s.checkpoints)
+        if ckpt is None:
+            return None, _Position()
+        identity = self.identity
+        saved = ckpt.state.get("identity") or {}
+        for key in sorted(identity):
+            if saved.get(key) != identity[key]:
+                raise checkpoint.CheckpointError(
+                    f"{ckpt.path} was written by another training setup ({key}: {saved.get(key)!r} there, "
+                    f"{identity[key]!r} now); delete {s.checkpoints} to start over, or set another output_dir")
+        missing, unexpected = model.load_state_dict(checkpoint.load_model_state(ckpt), strict=False)
+        missing = set(missing) - train_model.frozen_keys(model)
+        if missing or unexpected:
+            raise checkpoint.CheckpointError(f"{ckpt.path / checkpoint.MODEL}: missing {sorted(missing)[:3]}, "
+                                             f"unexpected {sorted(unexpected)[:3]}; delete it to start over")
+        st = ckpt.state
+        pos = _Position(epoch=int(st["next_epoch"]), step=int(st["next_step"]), global_step=int(st["global_step"]),
+                        history=list(st.get("validation") or []), best=st.get("best"),
+                        train_loss=st.get("train_loss"))
+        if self.main:
+            log.info("resuming from %s: epoch %d, step %d of it, global step %d of %d", ckpt.name,
+                     pos.epoch + 1, pos.step, pos.global_step, self.total_steps)
+            best = checkpoint.best(s.checkpoints)
+            if pos.best and (best is None or best.name != pos.best["name"]):
+                # Killed between a save and its link: the trainer state knows which one is best.
+                checkpoint.set_best(s.checkpoints, pos.best["name"])
+        return ckpt, pos
+
+    def _wrap(self, model):
+        s = self.s
+        model.to(s.device)
+        if not self.dist.active:
+            return model
+        if s.strategy == "fsdp":
+            from speculators.train.distributed import apply_fully_sharded
+
+            return self.dist.track(apply_fully_sharded(model, param_dtype=self.hs_dtype))
+        from torch.nn.parallel import DistributedDataParallel
+
+        # The vocab maps are constant buffers: synced once at init, never again every forward.
+        return self.dist.track(DistributedDataParallel(
+            model, device_ids=[torch.cuda.current_device()] if s.device == "cuda" else None,
+            forward_sync_buffers=False))
+
+    def _state_options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        # Full (unsharded) dicts, gathered on rank 0 in host memory; without a group there is
+        # nothing to gather.
+        return StateDictOptions(full_state_dict=True, cpu_offload=self.dist.active)
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def _inputs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        # Only the model's inputs: its forward hands any other keyword to the decoder layers.
+        return {k: batch[k].to(self.s.device, non_blocking=True) for k in MODEL_INPUTS}
+
+    def _noise(self, hidden: torch.Tensor, global_step: int) -> torch.Tensor:
+        s = self.s
+        g = torch.Generator(device=hidden.device)
+        # Seeded by (seed, step, rank), not carried along: resuming at any step redraws the same noise.
+        g.manual_seed((s.seed * 1_000_003 + global_step) * 4099 + self.ctx.rank)
+        return hidden + s.noise_std * torch.randn(hidden.shape, generator=g, device=hidden.device, dtype=hidden.dtype)
+
+    def _forward(self, inputs: dict[str, torch.Tensor]):
+        s = self.s
+        kwargs = {"ttt_steps": s.ttt_steps, "ttt_step_loss_decay": s.ttt_step_loss_decay, "loss_config": self.loss_config}
+        if s.device == "cuda":
+            with torch.autocast("cuda", dtype=self.hs_dtype):
+                return self.model(**inputs, **kwargs)
+        return self.model(**inputs, **kwargs)
+
+    def _reduce(self, metrics: dict[str, torch.Tensor], extra: dict[str, float]) -> dict[str, float]:
+        """Every rank's counts (and `extra`) summed with one all_reduce; the plain sums."""
+        dev = self.s.device
+        values = ([metrics[k].detach().float().reshape(()).to(dev) for k in metrics]
+                  + [torch.tensor(float(v), device=dev) for v in extra.values()])
+        if not values:
+            return {}
+        sums = self.dist.all_reduce(torch.stack(values)).cpu()
+        return dict(zip([*metrics, *extra], sums.tolist()))
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float] | None:
+        if not self.val_plan:
+            return None
+        self.model.eval()
+        acc: dict[str, torch.Tensor] = {}
+        for batch in train_data.loader(self.val_set, self.val_plan, self.collate, self.s.num_workers,
+                                       self.s.device == "cuda"):
+            _, _, metrics = self._forward(self._inputs(batch))
+            for k, v in metrics.items():
+                acc[k] = acc[k] + v.detach().float() if k in acc else v.detach().float()
+        self.model.train()
+        return ratios(self._reduce(acc, {}), prefix="val_")
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def _save(self, name: str, pos: _Position) -> None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        # Gathering full state dicts and writing them: silent for minutes with a large draft.
+        with self.progress.beating(f"checkpoint {name}"):
+            opts = self._state_options()
+            msd = get_model_state_dict(self.model, options=opts)      # collective under FSDP
+            osd = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+            if self.main:
+                t0 = time.monotonic()
+                state = {"name": name, "next_epoch": pos.epoch, "next_step": pos.step, "global_step": pos.global_step,
+                         "total_steps": self.total_steps, "epochs": self.s.epochs, "identity": self.identity,
+                         "scheduler": self.scheduler.state_dict(), "validation": pos.history, "best": pos.best,
+                         "train_loss": pos.train_loss, "time": time.time(),
+                         "rng": {"noise": "normal, from a torch.Generator seeded by (seed, global_step, rank)",
+                                 "seed": self.s.seed, "noise_std": self.s.noise_std}}
+                path = checkpoint.save(self.s.checkpoints, name, self.bare, msd, osd, state)
+                if pos.best and pos.best.get("name") == name:
+                    checkpoint.set_best(self.s.checkpoints, name)
+                pruned = checkpoint.prune_steps(self.s.checkpoints, keep=name)
+                log.info("checkpoint %s saved in %.1fs%s", path, time.monotonic() - t0,
+                         f" (removed {', '.join(pruned)})" if pruned else "")
+        self.dist.barrier()
+
+    # -- the run -----------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        s, ctx = self.s, self.ctx
+        if s.device == "cuda":
+            torch.cuda.set_device(0 if torch.cuda.device_count() == 1 else ctx.local_rank)
+        else:
+            share_cpus(ctx.world_size)
+        self.dist = Dist(ctx, s.device)
+        done = False
+        try:
+            summary = self._run()
+            done = True
+            return summary
+        finally:
+            # The wrapped model goes before the group does (Dist.close says why); no barrier after
+            # a failure, where the other ranks may be anywhere.
+            self.dist.close(release=self._release, barrier=done)
+
+    def _release(self) -> None:
+        """Drop every reference to the wrapped model: the DDP Reducer or FSDP state must not outlive the group."""
+        for name in ("model", "optimizer", "scheduler", "bare"):
+            self.__dict__.pop(name, None)
+
+    def _run(self) -> dict[str, Any]:
+        from speculators.losses import resolve_loss_config
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()   # a bar per checkpoint would litter the rank log
+
+        s, ctx = self.s, self.ctx
+        self._data()
+        self.identity = s.identity(self.layout, ctx.world_size, self.n_train)
+        self.loss_config = resolve_loss_config(s.loss, s.loss_implementation)
+        with self.progress.beating("build draft model"):    # reads the target's embeddings and head
+            self.bare = self._model()
+        ckpt, pos = self._resume(self.bare)
+        self.model = self._wrap(self.bare)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
+        self.scheduler = make_scheduler(self.optimizer, s.scheduler, s.warmup_steps, self.total_steps)
+        if ckpt is not None:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(self.model, self.optimizer, checkpoint.load_optimizer_state(ckpt),
+                                     options=StateDictOptions(full_state_dict=True))
+            self.scheduler.load_state_dict(ckpt.state["scheduler"])
+
+        samples_total = sum(len(b) for p in self.plans for b in p)
+        tokens_total = sum(self._tokens(b) for p in self.plans for b in p)
+        samples, tokens = self._done_before(pos.epoch, pos.step)
+        self.progress.update(samples=samples, tokens=tokens, samples_total=samples_total, tokens_total=tokens_total,
+                             force=True)
+        if ckpt is None:
+            val = self.validate()
+            if val is not None:
+                pos.history.append({"step": 0, "epoch": 0.0, **val})
+                self._report(val, step=0, force=True)
+                if self.main:
+                    log.info("step 0: validation loss %.4f, acc %s", val["val_loss"], self._accs(val, "val_"))
+
+        self.model.train()
+        meter = Meter()
+        for epoch in range(pos.epoch, s.epochs):
+            batches = self.plans[epoch]
+            start = pos.step if epoch == pos.epoch else 0
+            loader = train_data.loader(self.train_set, batches[start:], self.collate, s.num_workers, s.device == "cuda")
+            meter.resume()
+            for i, batch in enumerate(loader, start):
+                n_tok = int((batch["document_ids"] != -1).sum())     # on the host: no device sync
+                inputs = self._inputs(batch)
+                metrics, grad_norm, lr = self._step(inputs, params, pos.global_step)
+                pos.global_step += 1
+                pos.epoch, pos.step = epoch, i + 1
+                samples += len(batches[i])
+                tokens += n_tok
+                last = i + 1 == len(batches)
+                if pos.global_step % s.log_every == 0 or last:
+                    sums = self._reduce(metrics, {"tokens": n_tok})
+                    dt = meter.elapsed()
+                    vals = ratios(sums)
+                    pos.train_loss = vals.get("loss")
+                    grad = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+                    vals.update(lr=lr, grad_norm=grad, step_tok_s=sums["tokens"] / dt if dt > 0 else 0.0,
+                                epoch=epoch + (i + 1) / len(batches))
+                    # The attempt's first step is always written: it shows where training (re)started.
+                    self.progress.update(samples=samples, tokens=tokens, force=meter.steps == 0,
+                                         **(dict(vals, step=pos.global_step) if self.main else {}))
+                    if self.main:
+                        log.info("epoch %d/%d step %d/%d (global %d/%d): loss %.4f acc %s lr %.2e grad %.3f "
+                                 "%.0f tok/s", epoch + 1, s.epochs, i + 1, len(batches), pos.global_step,
+                                 self.total_steps, vals.get("loss", math.nan), self._accs(vals), lr, grad,
+                                 vals["step_tok_s"])
+                else:
+                    self.progress.update(samples=samples, tokens=tokens)
+                meter.step(n_tok)
+                if s.save_every and pos.global_step % s.save_every == 0 and not last:
+                    self._save(f"step-{pos.global_step}", pos)
+                    meter.resume()      # saving is not training time
+            pos.epoch, pos.step = epoch + 1, 0
+            name = f"epoch-{epoch + 1}"
+            val = self.validate()
+            if val is not None:
+                pos.history.append({"step": pos.global_step, "epoch": float(epoch + 1), **val})
+                self._report(val, step=pos.global_step, force=True)
+                if self.main:
+                    log.info("epoch %d/%d: validation loss %.4f, acc %s", epoch + 1, s.epochs, val["val_loss"],
+                             self._accs(val, "val_"))
+            if val is None or pos.best is None or val["val_loss"] < pos.best["val_loss"]:
+                pos.best = {"name": name, "epoch": epoch + 1,
+                            "val_loss": val["val_loss"] if val is not None else None}
+            self._save(name, pos)
+            self.progress.update(samples=samples, tokens=tokens, force=True)
+
+        return self._summary(ckpt, pos, meter)
+
+    def _step(self, inputs: dict[str, torch.Tensor], params: list, global_step: int):
+        """One optimisation step; (the model's metric counts, the gradient norm, the lr it used)."""
+        s = self.s
+        if s.noise_std > 0:
+            inputs["hidden_states"] = self._noise(inputs["hidden_states"], global_step)
+        _, loss, metrics = self._forward(inputs)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        return metrics, grad_norm, lr
+
+    def _report(self, val: dict[str, float], step: int, force: bool = False) -> None:
+        if self.main:
+            self.progress.update(force=force, val_step=step, **val)
+
+    def _accs(self, vals: dict[str, float], prefix: str = "") -> str:
+        return "/".join(f"{vals[f'{prefix}acc_{k}']:.3f}" for k in range(self.s.ttt_steps)
+                        if f"{prefix}acc_{k}" in vals)
+
+    def _summary(self, ckpt, pos: _Position, meter: Meter) -> dict[str, Any]:
+        s, ctx = self.s, self.ctx
+        totals = self._reduce({}, {"tokens": meter.tokens, "seconds": meter.seconds, "cpu": meter.cpu_seconds,
+                                   "all": meter.all_tokens})
+        best = checkpoint.best(s.checkpoints)
+        last = s.checkpoints / f"epoch-{s.epochs}"
+        final_val = pos.history[-1] if pos.history else {}
+        first_val = pos.history[0] if pos.history else {}
+        chosen = best.path if best else last
+        out = {
+            "outputs": [str(chosen)] + ([str(last)] if chosen != last else []),
+            "checkpoint": str(best.path if best else last),
+            "best_checkpoint": best.name if best else None,
+            "last_checkpoint": str(last),
+            "epochs": s.epochs, "steps": pos.global_step, "steps_this_attempt": meter.steps,
+            "resumed_from": ckpt.name if ckpt else None, "resumed_at_step": ckpt.global_step if ckpt else 0,
+            "tokens_this_attempt": int(totals["all"]),
+            # The group's steady training throughput: its tokens over the mean rank's time in the
+            # training loop (data loading included; the attempt's first step, validation and
+            # checkpoints left out).
+            "tok_s": totals["tokens"] / (totals["seconds"] / ctx.world_size) if totals.get("seconds") else None,
+            # The same tokens per CPU-second of the ranks: what other load on the host moves least.
+            "tok_per_cpu_s": totals["tokens"] / totals["cpu"] if totals.get("cpu") else None,
+            "loss": pos.train_loss,
+            "val_loss": final_val.get("val_loss"), "val_loss_initial": first_val.get("val_loss"),
+            **{k: v for k, v in final_val.items() if k.startswith(("val_acc_", "val_cond_acc_"))},
+            "validation": pos.history, "train_rows": self.n_train, "validation_rows": self.n_val,
+            "world_size": ctx.world_size, "strategy": s.strategy if ctx.world_size > 1 else "single",
+            "device": s.device, "attention": s.attn_impl, "loss_fn": s.loss,
+            "draft": {"vocab_size": s.draft_vocab, "num_layers": s.num_layers, "ttt_steps": s.ttt_steps,
+                      "aux_layer_ids": self.layout.aux_ids},
+        }
+        return out
