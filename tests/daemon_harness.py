@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from runtoml import run_toml, toml_value
 
 from eyas.state import paths, queries, store
 from eyas.wire.client import Client, DaemonError, DaemonNotRunning
@@ -35,14 +35,12 @@ def selftest_toml(name: str, ranks: int = 2, options: dict | None = None, max_re
                   backoff: float = 0.1, devices: str = '"cpu"', stall_timeout: float | None = 0,
                   exit_timeout: float | None = None, log_max_mb: float | None = None) -> str:
     """A selftest run. The stall watchdog is off unless asked for (tests hang ranks on purpose);
-    None leaves a bound's key out, so the stage's default applies."""
-    opts = ", ".join(f"{k} = {json.dumps(v)}" for k, v in (options or {}).items())
-    bounds = "".join(f"{key} = {value}\n" for key, value in (("stall_timeout", stall_timeout),
-                                                            ("exit_timeout", exit_timeout),
-                                                            ("log_max_mb", log_max_mb)) if value is not None)
-    return (f'name = "{name}"\npipeline = ["selftest"]\n[resources]\nranks = {ranks}\ndevices = {devices}\n'
-            f"[stages.selftest]\nmax_restarts = {max_restarts}\nbackoff = {backoff}\n{bounds}"
-            f"options = {{ {opts} }}\n")
+    None leaves a bound's key out, so the stage's default applies. `devices` is written as in
+    TOML ('"cpu"', "[0]")."""
+    return run_toml(name, ["selftest"], resources={"ranks": ranks, "devices": toml_value(devices)},
+                    stages={"selftest": {"max_restarts": max_restarts, "backoff": backoff,
+                                         "stall_timeout": stall_timeout, "exit_timeout": exit_timeout,
+                                         "log_max_mb": log_max_mb, "options": options or {}}})
 
 
 class Daemon:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from daemon_harness import daemon, wait_for  # noqa: F401 - the fixture
+from runtoml import run_toml, toml_value
 
 from eyas.state import runconfig as config
 from eyas.workers.doctor import check as doctor_check
@@ -80,13 +81,12 @@ def write_run(root: Path, target: Path, *, backend: str = "vllm", tp: int = 8, i
     if tokens is not None:
         (out / "prepare").mkdir(parents=True, exist_ok=True)
         (out / "prepare" / "summary.json").write_text(json.dumps({"tokens": tokens, "rows_out": 10}))
-    text = (f'name = "doc"\noutput_dir = "{out}"\n' + (f"pipeline = {pipeline}\n" if pipeline else "")
-            + f'[target]\npath = "{target}"\ndtype = "{dtype}"\ntrust_remote_code = {str(trust).lower()}\n'
-            + f'[data]\npath = "{root / "chat.jsonl"}"\n'
-            + f'[extract]\nbackend = "{backend}"\ntensor_parallel_size = {tp}\n'
-            + (f"layer_ids = {ids}\n" if ids is not None else "")
-            + f"[resources]\nranks = {ranks}\ndevices = {devices}\n"
-            + "[draft]\nvocab_size = 32000\n")
+    text = run_toml("doc", toml_value(pipeline) if pipeline else None, output_dir=out,
+                    target={"path": target, "dtype": dtype, "trust_remote_code": trust},
+                    data={"path": root / "chat.jsonl"},
+                    extract={"backend": backend, "tensor_parallel_size": tp, "layer_ids": ids},
+                    resources={"ranks": ranks, "devices": toml_value(devices)},
+                    draft={"vocab_size": 32000})
     path = root / "run.toml"
     path.write_text(text)
     return path

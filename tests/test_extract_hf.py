@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from daemon_harness import daemon, wait_for  # noqa: F401 (fixture)
+from runtoml import extract_toml
 from safetensors.torch import load_file
 
 from eyas.workers.extract import hf as extract_hf
@@ -526,12 +527,7 @@ def test_writer_failure_fails_the_rank(tmp_path):
 
 
 def _toml(name: str, output_dir: Path, target: Path) -> str:
-    # preflight = false: these runs test extraction alone (test_doctor.py covers the preflight stage).
-    return (f'name = "{name}"\noutput_dir = "{output_dir}"\npipeline = ["extract"]\npreflight = false\n'
-            f'[target]\npath = "{target}"\ndtype = "float32"\n'
-            '[resources]\nranks = 2\ndevices = "cpu"\n'
-            '[extract]\nbackend = "hf"\nbatch_size = 4\n'
-            '[draft]\nvocab_size = 256\n')   # the default 32000 exceeds the tiny vocabulary
+    return extract_toml(name, output_dir, target, backend="hf", ranks=2)
 
 
 def test_daemon_two_ranks_sigkill_mid_extraction_then_retry_is_byte_identical(daemon, models, tmp_path):  # noqa: F811

@@ -25,6 +25,7 @@ import psutil
 import pytest
 import torch
 from daemon_harness import Daemon, short_tmp, wait_for
+from runtoml import extract_toml
 from safetensors.torch import load_file, save_file
 
 from eyas.daemon import logsplit
@@ -623,15 +624,8 @@ def test_wrapper_adapter_serves_the_kimi_nesting(models, ext_dir, tmp_path):
 
 def run_toml(name: str, output_dir: Path, target: Path, tp: int, options: dict | None = None,
              batch_size: int = 4) -> str:
-    opts = ", ".join(f"{k} = {json.dumps(v)}" for k, v in (options or {}).items())
-    # preflight = false: these runs test extraction alone (test_doctor.py covers the preflight stage).
-    return (f'name = "{name}"\noutput_dir = "{output_dir}"\npipeline = ["extract"]\npreflight = false\n'
-            f'[target]\npath = "{target}"\ndtype = "float32"\n'
-            '[resources]\nranks = 1\ndevices = "cpu"\n'
-            f'[extract]\nbackend = "vllm"\ntensor_parallel_size = {tp}\nbatch_size = {batch_size}\n'
-            f"layer_ids = {ALL_IDS}\n"
-            '[draft]\nvocab_size = 256\n'
-            f"[stages.extract]\noptions = {{ {opts} }}\n")
+    return extract_toml(name, output_dir, target, backend="vllm", tp=tp, batch_size=batch_size,
+                        layer_ids=ALL_IDS, options=options or {})
 
 
 @pytest.fixture(scope="module")

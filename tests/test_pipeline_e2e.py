@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from daemon_harness import Daemon, short_tmp, wait_for
+from runtoml import run_toml
 
 from eyas.state import queries
 from eyas.workers.models import assets
@@ -29,56 +30,22 @@ pytestmark = pytest.mark.slow
 EYAS = str(Path(sys.executable).with_name("eyas"))
 STAGES = ["prepare", "extract", "vocab", "train", "evaluate"]
 
-PIPELINE = """\
-name = "e2e"
-pipeline = ["prepare", "extract", "vocab", "train", "evaluate"]
-[target]
-path = "{target}"
-dtype = "float32"
-[data]
-path = "{data}"
-max_length = 128
-limit = 80
-validation_fraction = 0.15
-[extract]
-batch_size = 8
-[resources]
-ranks = 2
-devices = "cpu"
-[draft]
-vocab_size = 256
-[train]
-epochs = 2
-lr = 1e-3
-batch_tokens = 512
-[evaluate]
-max_tokens = 32
-"""
-# A hang fails its stage within 3 minutes, with every live rank's stacks as the root cause,
-# instead of holding the test until its timeout. Each stage takes well under a minute here.
-PIPELINE += "".join(f"[stages.{stage}]\nstall_timeout = 180\n" for stage in STAGES)
+def pipeline_toml(target: Path, data: Path) -> str:
+    # A hang fails its stage within 3 minutes, with every live rank's stacks as the root cause,
+    # instead of holding the test until its timeout. Each stage takes well under a minute here.
+    return run_toml("e2e", STAGES, target={"path": target, "dtype": "float32"},
+                    data={"path": data, "max_length": 128, "limit": 80, "validation_fraction": 0.15},
+                    extract={"batch_size": 8}, resources={"ranks": 2, "devices": "cpu"},
+                    draft={"vocab_size": 256}, train={"epochs": 2, "lr": 1e-3, "batch_tokens": 512},
+                    evaluate={"max_tokens": 32}, stages={stage: {"stall_timeout": 180} for stage in STAGES})
 
-TRAIN_ONLY = """\
-name = "kill"
-pipeline = ["train"]
-output_dir = "{out}"
-[target]
-path = "{target}"
-dtype = "float32"
-[resources]
-ranks = 2
-devices = "cpu"
-[draft]
-vocab_size = 256
-[train]
-epochs = 3
-lr = 1e-3
-batch_tokens = 256
-strategy = "fsdp"
-[stages.train]
-max_restarts = 1
-backoff = 0.5
-"""
+
+def train_only_toml(out: Path, target: Path) -> str:
+    return run_toml("kill", ["train"], output_dir=out, target={"path": target, "dtype": "float32"},
+                    resources={"ranks": 2, "devices": "cpu"}, draft={"vocab_size": 256},
+                    train={"epochs": 3, "lr": 1e-3, "batch_tokens": 256, "strategy": "fsdp"},
+                    stages={"train": {"max_restarts": 1, "backoff": 0.5}})
+
 
 @pytest.fixture(scope="module")
 def daemon():
@@ -101,7 +68,7 @@ def daemon():
 @pytest.fixture(scope="module")
 def pipeline(daemon):
     made = assets.build_all(daemon.home / "assets")
-    run_id = daemon.submit(PIPELINE.format(target=made["tiny-deepseek"], data=made["chat.jsonl"]), "e2e.toml")
+    run_id = daemon.submit(pipeline_toml(made["tiny-deepseek"], made["chat.jsonl"]), "e2e.toml")
     # Under pytest-timeout's 600 s for the whole setup, so that a hang reports the run's state,
     # stacks and logs (Daemon.diagnose) rather than only pytest's timeout. It takes ~100 s here.
     run = daemon.wait_run(run_id, timeout=450)
@@ -216,7 +183,7 @@ def test_a_sigkilled_training_rank_resumes_from_the_checkpoint(daemon, pipeline)
     out = daemon.home / "kill-out"
     for stage in ("prepare", "extract", "vocab"):
         shutil.copytree(Path(run["output_dir"]) / stage, out / stage)
-    run_id = daemon.submit(TRAIN_ONLY.format(out=out, target=made["tiny-deepseek"]), "kill.toml")
+    run_id = daemon.submit(train_only_toml(out, made["tiny-deepseek"]), "kill.toml")
     root = out / "train" / "checkpoints"
     wait_for(lambda: checkpoint.latest(root), 300, interval=0.02, what="the first checkpoint")
     attempt_dir = Path(daemon.ranks(run_id, "train")[0]["log_path"]).parent

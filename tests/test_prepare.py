@@ -12,6 +12,7 @@ import datasets
 import numpy as np
 import pytest
 from daemon_harness import daemon  # noqa: F401 (fixture)
+from runtoml import run_toml
 
 from eyas.state.runconfig import DataConfig, DraftConfig, RunConfig, TargetConfig, TrainConfig
 from eyas.workers.data.chat import MaskedRenderer, TemplateMismatch, load_tokenizer
@@ -428,11 +429,9 @@ def test_pretokenized_rows_match_speculators_passthrough(tiny, tokenizer, tmp_pa
 def test_data_stages_through_the_daemon(daemon, tiny, tmp_path):  # noqa: F811
     """prepare → extract (2 ranks) → vocab as rank groups under a real daemon."""
     data = assets.write_dataset(tmp_path / "chat.jsonl")
-    toml = (f'name = "prep"\npipeline = ["prepare", "extract", "vocab"]\n'
-            f'[target]\npath = "{tiny}"\ndtype = "float32"\n'
-            f'[data]\npath = "{data}"\nmax_length = 256\nvalidation_fraction = 0.1\n'
-            f'[extract]\nbatch_size = 8\n'
-            f'[draft]\nvocab_size = 256\n[resources]\nranks = 2\ndevices = "cpu"\n')
+    toml = run_toml("prep", ["prepare", "extract", "vocab"], target={"path": tiny, "dtype": "float32"},
+                    data={"path": data, "max_length": 256, "validation_fraction": 0.1}, extract={"batch_size": 8},
+                    draft={"vocab_size": 256}, resources={"ranks": 2, "devices": "cpu"})
     run_id = daemon.submit(toml)
     run = daemon.wait_run(run_id, timeout=180)
     assert run["state"] == "succeeded", run

@@ -16,43 +16,22 @@ import sys
 import time
 from pathlib import Path
 
+from runtoml import run_toml
+
 REPO = Path(__file__).resolve().parent.parent
-
-# Sized to keep the stages quick on two loaded cores: ~40 rows of ~70 tokens.
-TOML = """\
-name = "train-test"
-pipeline = ["prepare", "extract", "vocab", "train"]
-[target]
-path = "{target}"
-dtype = "float32"
-[data]
-path = "{data}"
-max_length = 128
-limit = {rows}
-validation_fraction = {validation_fraction}
-[extract]
-batch_size = 8
-[resources]
-ranks = 1
-devices = "cpu"
-[draft]
-vocab_size = {draft_vocab}
-ttt_steps = 3
-[train]
-epochs = 2
-lr = 1e-3
-batch_tokens = 512
-seed = 0
-"""
-
 
 def config(root: Path, target: Path, data: Path, rows: int = 40, draft_vocab: int = 256,
            validation_fraction: float = 0.2, **train) -> dict:
     """The run config, checked and resolved by eyas' own loader (defaults filled in)."""
     from eyas.state.runconfig import load
 
-    text = TOML.format(target=target, data=data, rows=rows, draft_vocab=draft_vocab,
-                       validation_fraction=validation_fraction)
+    # Sized to keep the stages quick on two loaded cores: ~40 rows of ~70 tokens.
+    text = run_toml("train-test", ["prepare", "extract", "vocab", "train"],
+                    target={"path": target, "dtype": "float32"},
+                    data={"path": data, "max_length": 128, "limit": rows, "validation_fraction": validation_fraction},
+                    extract={"batch_size": 8}, resources={"ranks": 1, "devices": "cpu"},
+                    draft={"vocab_size": draft_vocab, "ttt_steps": 3},
+                    train={"epochs": 2, "lr": 1e-3, "batch_tokens": 512, "seed": 0})
     path = root / f"run-{time.monotonic_ns()}.toml"
     path.write_text(text)
     cfg = load(path).to_dict()
