@@ -6,7 +6,7 @@ the daemon runs the same on a laptop, in CI and on a GPU host.
 
 Pure (stdlib + pynvml, whose ctypes binding loads the driver only in nvmlInit): both the
 daemon and the workers import it, so it sits at the top of eyas.workers: the one module of
-the workers the daemon may import (tests/test_import_rules.py).
+the workers the daemon may import (tests/unit/test_import_rules.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`eyas doctor` on a Kimi-K2.5-shaped target: whole process, imports included, <= 15 s.
 
 The target is config-only (config.json, a safetensors index naming 64 empty shards, a small
-tokenizer; tests/test_doctor.py builds it), the run the Kimi example's (vLLM, TP 8), and the
+tokenizer; tests/support/doctor_models.py builds it), the run the Kimi example's (vLLM, TP 8), and the
 GPUs eight fake H200s through $EYAS_FAKE_NVML, so every check runs and passes. Each doctor run
 is a fresh `eyas doctor run.toml` process; the best of --runs counts (load from others on a
 shared machine only ever slows a run down) and every run is printed.
@@ -41,8 +41,8 @@ print("ENGINE_UP", round(time.monotonic() - t0, 2), flush=True)
 
 
 def kimi_run(root: Path) -> Path:
-    sys.path.insert(0, str(HERE.parent))
-    from test_doctor import make_model, write_run
+    sys.path.insert(0, str(HERE.parent / "support"))
+    from doctor_models import make_model, write_run
 
     from eyas.workers.models.assets import build_tokenizer
 

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 from daemon_harness import Daemon, bench_home  # noqa: E402
 
 from eyas.cli.demo import DEMO_TOML, FIT_STEPS  # noqa: E402

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 from daemon_harness import Daemon, bench_home, selftest_toml, wait_for  # noqa: E402
 
 from eyas.state import paths  # noqa: E402

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 from daemon_harness import Daemon, bench_home, selftest_toml, wait_for  # noqa: E402
 
 RANKS = 8

@@ -238,7 +238,7 @@ def main() -> int:
         print(json.dumps(bare(Path(args.target), Path(args.out), args.rank, args.world, args.port)))
         return 0
 
-    sys.path.insert(0, str(TESTS))
+    sys.path.insert(0, str(TESTS / "support"))
     from daemon_harness import Daemon, bench_home
 
     CACHE.mkdir(exist_ok=True)

@@ -2,7 +2,7 @@
 
 The store is written with fixed times under a fixed path (error files' paths are shown),
 the clock is frozen, TZ is UTC, and there is no daemon: the banner says so, the same way
-every time. Update with `pytest tests/test_tui_snapshots.py --snapshot-update`, then look.
+every time. Update with `pytest tests/integration/tui/test_tui_snapshots.py --snapshot-update`, then look.
 """
 
 from __future__ import annotations

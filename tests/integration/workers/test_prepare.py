@@ -10,8 +10,10 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import prepare_harness
 import pytest
 from daemon_harness import daemon  # noqa: F401 (fixture)
+from prepare_harness import run_prepare, write_huge_line_dataset
 from runtoml import run_toml
 
 from eyas.state.runconfig import DataConfig, DraftConfig, RunConfig, TargetConfig, TrainConfig
@@ -19,8 +21,6 @@ from eyas.workers.data.chat import MaskedRenderer, TemplateMismatch, load_tokeni
 from eyas.workers.data.reader import SKIP_REASONS, DataError
 from eyas.workers.doctor.tokenizer import spans
 from eyas.workers.models import assets
-from eyas.workers.runtime.progress import ProgressWriter
-from eyas.workers.runtime.rank import RankContext
 from eyas.workers.stages import prepare
 
 END = "<|end|>"
@@ -84,20 +84,6 @@ def config(target: Path, data: Path, fmt: str = "auto", max_length: int = 256, l
                      data=DataConfig(path=str(data), format=fmt, max_length=max_length, limit=limit,
                                      validation_fraction=fraction),
                      draft=DraftConfig(vocab_size=64), train=TrainConfig(seed=seed)).to_dict()
-
-
-def run_prepare(cfg: dict, out: Path, attempt: int = 1) -> dict:
-    """Run the stage's entry point as the rank runtime would; return its summary.json."""
-    attempt_dir = out / "attempts" / f"attempt-{attempt}"
-    attempt_dir.mkdir(parents=True, exist_ok=True)
-    ctx = RankContext(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=29500, run_id=1,
-                      stage="prepare", attempt=attempt, attempt_dir=attempt_dir, output_dir=out, config=cfg,
-                      progress=ProgressWriter(attempt_dir / "rank-0.progress.jsonl"))
-    try:
-        prepare.main(ctx)
-    finally:
-        ctx.progress.close()
-    return json.loads((attempt_dir / "summary.json").read_text())
 
 
 def rows_of(out: Path) -> list[tuple[list[int], list[int]]]:
@@ -462,29 +448,13 @@ def test_data_stages_through_the_daemon(daemon, tiny, tmp_path):  # noqa: F811
 _PREPARE_IN_A_CHILD = """
 import json, resource, sys, time
 sys.path.insert(0, sys.argv[1])
-from test_prepare import run_prepare
+from prepare_harness import run_prepare
 from pathlib import Path
 t0 = time.monotonic()
 summary = run_prepare(json.loads(sys.argv[2]), Path(sys.argv[3]))
 print(json.dumps({"summary": summary, "seconds": time.monotonic() - t0,
                   "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
-
-
-def write_huge_line_dataset(path: Path, good: list[dict], huge_bytes: int) -> None:
-    """Good rows around one chat row of `huge_bytes` bytes, written a repeated chunk at a time."""
-    head = b'{"messages": [{"role": "user", "content": "'
-    tail = b'"}, {"role": "assistant", "content": "ok"}]}\n'
-    chunk = b"lorem ipsum dolor sit amet " * (2**20 // 27)
-    with open(path, "wb") as f:
-        f.write(b"".join(json.dumps(r).encode() + b"\n" for r in good[:2]))
-        f.write(head)
-        left = huge_bytes - len(head) - len(tail)
-        while left > 0:
-            f.write(chunk[:left])
-            left -= len(chunk)
-        f.write(tail)
-        f.write(b"".join(json.dumps(r).encode() + b"\n" for r in good[2:]))
 
 
 def test_a_200_mb_row_is_skipped_unread_and_memory_stays_bounded(tiny, tmp_path):
@@ -500,7 +470,7 @@ def test_a_200_mb_row_is_skipped_unread_and_memory_stays_bounded(tiny, tmp_path)
     try:
         assert data.stat().st_size > huge
         cfg = config(tiny, data, max_length=256)
-        p = subprocess.run([sys.executable, "-c", _PREPARE_IN_A_CHILD, str(Path(__file__).parent), json.dumps(cfg),
+        p = subprocess.run([sys.executable, "-c", _PREPARE_IN_A_CHILD, str(Path(prepare_harness.__file__).parent), json.dumps(cfg),
                             str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, p.stderr[-3000:]
         result = json.loads(p.stdout.splitlines()[-1])

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from runtoml import run_toml
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 def config(root: Path, target: Path, data: Path, rows: int = 40, draft_vocab: int = 256,
            validation_fraction: float = 0.2, **train) -> dict:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"daemon": "eyas.daemon", "state": "eyas.state", "workers": "eyas.workers", "tui": "eyas.tui",
            "wire": "eyas.wire", "cli": "eyas.cli"}
 ENGINES = {"torch", "transformers", "vllm", "textual", "speculators", "safetensors", "datasets", "numpy"}

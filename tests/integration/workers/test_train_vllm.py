@@ -2,7 +2,7 @@
 target's hidden states, loads into vLLM's CPU build as an EAGLE-3 speculator and generates.
 
 This proves the format, not the quality (acceptance belongs to the evaluate stage). The tiny
-DeepseekV3 target is covered by tests/test_pipeline_e2e.py.
+DeepseekV3 target is covered by tests/e2e/test_pipeline_e2e.py.
 """
 
 from __future__ import annotations

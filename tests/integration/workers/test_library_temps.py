@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import torch
-from test_extract_hf import run_stage, sha256s, token_rows, write_dataset
+from extract_harness import run_stage, sha256s, token_rows, write_dataset
 
 from eyas.workers.models import assets
 

@@ -3,18 +3,17 @@ references, the files' format, the adapters, resume, and a real daemon with a SI
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from daemon_harness import daemon, wait_for  # noqa: F401 (fixture)
+from extract_harness import run_stage, sha256s, token_rows, write_dataset
 from runtoml import extract_toml
 from safetensors.torch import load_file
 
@@ -23,9 +22,6 @@ from eyas.workers.extract import hswriter
 from eyas.workers.extract import plan as extract_plan
 from eyas.workers.models import adapters, assets, hf_target
 from eyas.workers.models.capture import LayerCapture
-from eyas.workers.runtime.progress import ProgressWriter
-from eyas.workers.runtime.rank import RankContext
-from eyas.workers.stages import extract
 
 # Builds models and starts engines: `pytest -m "not slow"` leaves it out.
 pytestmark = pytest.mark.slow
@@ -40,57 +36,6 @@ FAMILIES = ("llama", "deepseek_v3")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("targets")
     return {f: assets.build_model(root / f, f) for f in FAMILIES}
-
-
-def token_rows(tokenizer_dir: Path, lengths: list[int], seed: int = 0) -> list[list[int]]:
-    """Real token ids of the tiny tokenizer, cut into samples of the given lengths."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    text = " ".join(t["value"] for c in assets.conversations(400, seed) for t in c["conversations"])
-    ids = tok(text)["input_ids"]
-    rng = random.Random(seed)
-    rows = []
-    for n in lengths:
-        start = rng.randrange(len(ids) - n)
-        rows.append(ids[start:start + n])
-    return rows
-
-
-def write_dataset(output_dir: Path, rows: list[list[int]]) -> Path:
-    """prepare's output, as speculators' prepare-data writes it (torch format)."""
-    import datasets
-
-    ds = datasets.Dataset.from_dict({"input_ids": rows, "loss_mask": [[1] * len(r) for r in rows],
-                                     "seq_len": [len(r) for r in rows]})
-    ds.set_format("torch")
-    path = output_dir / "prepare" / "dataset"
-    ds.save_to_disk(str(path))
-    return path
-
-
-def context(output_dir: Path, target: Path, dtype="float32", layer_ids=None, batch_size=4,
-            rank=0, world_size=1, trust_remote_code=False) -> RankContext:
-    attempt_dir = output_dir.parent / f"attempt-{rank}-{time.monotonic_ns()}"
-    attempt_dir.mkdir(parents=True)
-    return RankContext(
-        rank=rank, world_size=world_size, local_rank=rank, master_addr="127.0.0.1", master_port=0,
-        run_id=None, stage="extract", attempt=1, attempt_dir=attempt_dir, output_dir=output_dir,
-        config={"target": {"path": str(target), "dtype": dtype, "trust_remote_code": trust_remote_code},
-                "extract": {"backend": "hf", "layer_ids": layer_ids, "tensor_parallel_size": 1,
-                            "batch_size": batch_size},
-                "resources": {"ranks": world_size, "devices": "cpu"}},
-        progress=ProgressWriter(attempt_dir / f"rank-{rank}.progress.jsonl", min_interval=0),
-    )
-
-
-def run_stage(output_dir: Path, target: Path, **kw) -> RankContext:
-    ctx = context(output_dir, target, **kw)
-    try:
-        extract.main(ctx)
-    finally:
-        ctx.progress.close()
-    return ctx
 
 
 def reference(model, input_ids: list[int]) -> tuple[dict[int, torch.Tensor], tuple]:
@@ -111,11 +56,6 @@ def reference(model, input_ids: list[int]) -> tuple[dict[int, torch.Tensor], tup
         for h in hooks:
             h.remove()
     return {i: t[0] for i, t in seen.items()}, tuple(h[0] for h in out.hidden_states)
-
-
-def sha256s(extract_dir: Path) -> dict[str, str]:
-    files = sorted((extract_dir / "hidden_states").glob("hs_*.safetensors")) + [extract_dir / "data_config.json"]
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
 
 def load_hf(path: Path, dtype=torch.float32):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from test_prepare import write_huge_line_dataset
+from prepare_harness import write_huge_line_dataset
 
 from eyas.state.runconfig import DataConfig
 from eyas.workers.data.reader import ARRAY_MAX_BYTES

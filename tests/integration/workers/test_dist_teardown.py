@@ -13,7 +13,7 @@ import signal
 import socket
 import time
 
-from test_rank_runtime import DEADLINE, start_rank, wait_for  # noqa: F401 (start_rank is a fixture)
+from rank_harness import DEADLINE, start_rank, wait_for  # noqa: F401 (start_rank is a fixture)
 
 HANG_S = 15.0   # the naive teardown's GIL hold ends 4 s after its log line; a deadlock outlasts it by far
 

@@ -1,7 +1,7 @@
 """The train stage in-process (one rank) on real prepare/extract/vocab outputs of the tiny
 DeepseekV3 target: speculators-format checkpoints, metrics, validation, exact resume, atomic
 saves under SIGKILL, and clear errors. The multi-rank paths run through a real daemon in
-tests/test_pipeline_e2e.py."""
+tests/e2e/test_pipeline_e2e.py."""
 
 from __future__ import annotations
 
