@@ -32,6 +32,7 @@ test: $(STAMP)
 # ruff's rules and import-linter's contracts live in pyproject.toml.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports --no-cache
 
 bench: $(STAMP)

@@ -35,15 +35,19 @@ def summary(cfg: RunConfig) -> list[str]:
         rows.append(("extract", f"{ex.backend}, tensor parallel {ex.tensor_parallel_size}, batch {ex.batch_size}"))
     if cfg.extract.layer_ids is not None:
         ids = cfg.extract.layer_ids
-        rows.append(("layer ids", ", ".join(
-            f"{i} ({layer_meaning(i, n)})" if n is not None else str(i) for i in ids)))
+        rows.append(("layer ids", ", ".join(f"{i} ({layer_meaning(i, n)})" if n is not None else str(i) for i in ids)))
     if "evaluate" in cfg.pipeline:
         ev = cfg.evaluate
         prompts = ev.prompts or "prepare's validation rows"
         limit = f"up to {ev.max_prompts}" if ev.max_prompts else "all"
-        rows.append(("evaluate", f"vLLM, {ev.num_speculative_tokens} draft tokens, tensor parallel "
-                                 f"{ev.tensor_parallel_size}, {limit} prompts from {prompts}, "
-                                 f"{ev.max_tokens} tokens each"))
+        rows.append(
+            (
+                "evaluate",
+                f"vLLM, {ev.num_speculative_tokens} draft tokens, tensor parallel "
+                f"{ev.tensor_parallel_size}, {limit} prompts from {prompts}, "
+                f"{ev.max_tokens} tokens each",
+            )
+        )
     rows.append(("ranks", ", ".join(f"{s} {stage_world_size(cfg, s)}" for s in cfg.pipeline)))
     devices = cfg.resources.devices
     rows.append(("devices", devices if isinstance(devices, str) else ", ".join(map(str, devices))))

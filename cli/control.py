@@ -35,6 +35,7 @@ def submit(args) -> int:
     print(f"run {run_id} submitted: {' → '.join(result['stages'])}")
     if args.follow:
         from .follow import follow
+
         return follow(run_id)
     return 0
 
@@ -87,7 +88,8 @@ def stacks(args) -> int:
             print(f"\n{who(x)} (pid {x['pid']}): not dumped: {x['skipped']}")
             continue
         python = dumps.get(x["pid"]) or (
-            f"(no Python stacks within {args.wait:g} s; if it writes them later, they are in {x['log_path']})")
+            f"(no Python stacks within {args.wait:g} s; if it writes them later, they are in {x['log_path']})"
+        )
         where = f", also in {x['log_path']}" if dumps.get(x["pid"]) else ""
         print(f"\n{who(x)} (pid {x['pid']}){where}:\n{render(x, python)}")
     live = [x for x in r["ranks"] if "skipped" not in x]

@@ -83,9 +83,12 @@ def command(args) -> int:
 def build_assets(target_dir: Path, console) -> bool:
     """Build the tiny target and the chats in a child process (it imports torch, we do not)."""
     with console.status(f"building the tiny target and chat data in {target_dir} …"):
-        proc = subprocess.run([sys.executable, "-m", "eyas.workers.models.assets", str(target_dir), "--fit-steps",
-                               str(FIT_STEPS)],
-                              stdin=subprocess.DEVNULL, capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "eyas.workers.models.assets", str(target_dir), "--fit-steps", str(FIT_STEPS)],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+        )
     if proc.returncode != 0:
         console.print(f"[red]building the demo assets failed (exit {proc.returncode}):[/red]")
         console.print(proc.stderr[-3000:], markup=False, highlight=False)
@@ -120,8 +123,10 @@ def _run_demo(home: Path, console) -> int:
         _wait_ended(run_id)
         return 130
     console.print(f"\nopen it in the TUI:  [bold]eyas --home {home} tui {run_id}[/bold]")
-    console.print(f"or:                  [bold]eyas --home {home} show {run_id}[/bold]   ·   "
-                  f"[bold]eyas --home {home} logs {run_id} --stage train[/bold]")
+    console.print(
+        f"or:                  [bold]eyas --home {home} show {run_id}[/bold]   ·   "
+        f"[bold]eyas --home {home} logs {run_id} --stage train[/bold]"
+    )
     return code
 
 

@@ -18,4 +18,4 @@ def command(args) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, argv)
-    return 1    # not reached: execv returns only by raising
+    return 1  # not reached: execv returns only by raising

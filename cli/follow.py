@@ -25,29 +25,38 @@ def follow(run_id: int, console=None) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = console or Console()
-    progress = Progress(TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
+    progress = Progress(
+        TextColumn("{task.description:<10}"),
+        BarColumn(),
+        TextColumn("{task.percentage:>3.0f}%"),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
     tasks: dict[str, int] = {}
-    shown: dict[str, dict] = {}     # the latest loss, accuracy and validation loss of each stage
+    shown: dict[str, dict] = {}  # the latest loss, accuracy and validation loss of each stage
     client = Client(timeout=None)
     events = client.subscribe(["state", "metric"], run=run_id)
     run = _snapshot(run_id)
     for s in run["stages"]:
         done = s["state"] in ("succeeded", "skipped")
-        tasks[s["name"]] = progress.add_task(s["name"], total=1.0, completed=1.0 if done else 0.0,
-                                             info=s["state"])
+        tasks[s["name"]] = progress.add_task(s["name"], total=1.0, completed=1.0 if done else 0.0, info=s["state"])
     final = run["state"] if run["state"] in TERMINAL_RUN else None
     stop = threading.Event()
     try:
         with progress:
-            for ev in ([] if final else events):
+            for ev in [] if final else events:
                 d = ev.data
                 if ev.event == "state":
                     if d.get("entity") == "stage" and d.get("stage") in tasks:
                         done = d["to_state"] in ("succeeded", "skipped")
-                        progress.update(tasks[d["stage"]], info=d["to_state"],
-                                        **({"completed": 1.0} if done else {}))
-                    elif d.get("entity") == "rank" and "killed" in (d.get("reason") or "") or d.get("entity") == "stage" and d.get("to_state") == "failed":
+                        progress.update(tasks[d["stage"]], info=d["to_state"], **({"completed": 1.0} if done else {}))
+                    elif (
+                        d.get("entity") == "rank"
+                        and "killed" in (d.get("reason") or "")
+                        or d.get("entity") == "stage"
+                        and d.get("to_state") == "failed"
+                    ):
                         progress.console.print(f"[red]{d.get('stage')}: {d.get('reason')}[/red]")
                     if d.get("entity") == "run" and d.get("to_state") in TERMINAL_RUN:
                         final = d["to_state"]
@@ -59,22 +68,33 @@ def follow(run_id: int, console=None) -> int:
                         bits.append(f"{live['tok_s']:,.0f} tok/s")
                     latest = {s["name"]: s["value"] for s in d.get("samples", [])}
                     if "loss" in latest:
-                        shown[d["stage"]] = {**shown.get(d["stage"], {}), "loss": latest["loss"],
-                                             "acc": latest.get("acc_0")}
+                        shown[d["stage"]] = {
+                            **shown.get(d["stage"], {}),
+                            "loss": latest["loss"],
+                            "acc": latest.get("acc_0"),
+                        }
                     if "val_loss" in latest:
                         shown[d["stage"]] = {**shown.get(d["stage"], {}), "val": latest["val_loss"]}
                     for key in ("accept_len", "baseline_accept_len"):
                         if key in latest:
                             shown[d["stage"]] = {**shown.get(d["stage"], {}), key: latest[key]}
-                    for key, label in (("loss", "loss {:.4f}"), ("acc", "acc₀ {:.2f}"), ("val", "val {:.4f}"),
-                                       ("accept_len", "accept {:.2f}"), ("baseline_accept_len", "untrained {:.2f}")):
+                    for key, label in (
+                        ("loss", "loss {:.4f}"),
+                        ("acc", "acc₀ {:.2f}"),
+                        ("val", "val {:.4f}"),
+                        ("accept_len", "accept {:.2f}"),
+                        ("baseline_accept_len", "untrained {:.2f}"),
+                    ):
                         value = shown.get(d["stage"], {}).get(key)
                         if value is not None:
                             bits.append(label.format(value))
                     if live.get("eta_s") is not None:
                         bits.append(f"ETA {human_duration(live['eta_s'])}")
-                    progress.update(tasks[d["stage"]], completed=float(live.get("progress") or 0.0),
-                                    info="running " + " · ".join(bits))
+                    progress.update(
+                        tasks[d["stage"]],
+                        completed=float(live.get("progress") or 0.0),
+                        info="running " + " · ".join(bits),
+                    )
     except KeyboardInterrupt:
         stop.set()
         raise
@@ -94,15 +114,23 @@ def summary(run: dict, console) -> None:
     for col in ("stage", "state", "attempts", "duration", "tok/s", "result"):
         table.add_column(col)
     for s in run["stages"]:
-        table.add_row(s["name"], s["state"], str(s["attempts"]), human_duration(s["duration"]),
-                      f"{s['tok_s']:,.0f}" if s["tok_s"] else "", result(s["name"], s.get("summary")))
+        table.add_row(
+            s["name"],
+            s["state"],
+            str(s["attempts"]),
+            human_duration(s["duration"]),
+            f"{s['tok_s']:,.0f}" if s["tok_s"] else "",
+            result(s["name"], s.get("summary")),
+        )
     console.print(table)
     for s in run["stages"]:
         for a in s["attempt_list"]:
             rc = a["root_cause"]
             if rc and a is s["attempt_list"][-1]:
-                console.print(f"[red]{s['name']} attempt {a['number']}: rank {rc['rank']} {rc['type']}"
-                              f"{': ' + rc['message'] if rc['message'] else ''}[/red]")
+                console.print(
+                    f"[red]{s['name']} attempt {a['number']}: rank {rc['rank']} {rc['type']}"
+                    f"{': ' + rc['message'] if rc['message'] else ''}[/red]"
+                )
     for s in run["stages"]:
         outputs = (s.get("summary") or {}).get("outputs") or []
         if outputs:
@@ -124,15 +152,21 @@ def result(stage: str, s: dict | None) -> str:
     if stage == "extract" and "samples" in s:
         return f"{s['samples']} samples, layers {s.get('layer_ids')}"
     if stage == "vocab" and "draft_vocab_size" in s:
-        return f"{s['draft_vocab_size']} of {s.get('target_vocab_size')} tokens, coverage {_num(s.get('coverage'), '.0%')}"
+        return (
+            f"{s['draft_vocab_size']} of {s.get('target_vocab_size')} tokens, coverage {_num(s.get('coverage'), '.0%')}"
+        )
     if stage == "train" and "val_loss" in s:
         accs = "/".join(_num(s[f"val_acc_{k}"], ".2f") for k in range(16) if f"val_acc_{k}" in s)
-        return (f"loss {_num(s.get('loss'), '.4f')}, val {_num(s.get('val_loss'), '.4f')} "
-                f"(from {_num(s.get('val_loss_initial'), '.4f')}), val acc {accs}")
+        return (
+            f"loss {_num(s.get('loss'), '.4f')}, val {_num(s.get('val_loss'), '.4f')} "
+            f"(from {_num(s.get('val_loss_initial'), '.4f')}), val acc {accs}"
+        )
     if stage == "evaluate" and "acceptance_length" in s:
         rates = "/".join(_num(r, ".2f") for r in s.get("per_position") or [])
         base = _num(s.get("baseline_acceptance_length"), ".2f")
-        return (f"accept {_num(s['acceptance_length'], '.2f')} (untrained {base}), per position {rates}, "
-                f"{_num(s.get('draft_tok_s'), ',.0f')} tok/s with the draft, {_num(s.get('target_tok_s'), ',.0f')} "
-                f"without, {'lossless' if s.get('lossless') else 'NOT lossless'}")
+        return (
+            f"accept {_num(s['acceptance_length'], '.2f')} (untrained {base}), per position {rates}, "
+            f"{_num(s.get('draft_tok_s'), ',.0f')} tok/s with the draft, {_num(s.get('target_tok_s'), ',.0f')} "
+            f"without, {'lossless' if s.get('lossless') else 'NOT lossless'}"
+        )
     return ""

@@ -45,8 +45,20 @@ STAGE_COLUMNS = [
     out.Column("tok_s", display.count, right=True),
 ]
 
-ERROR_KEYS = ["stage", "attempt", "rank", "root_cause", "type", "message", "time", "pid", "host",
-              "source", "path", "traceback"]
+ERROR_KEYS = [
+    "stage",
+    "attempt",
+    "rank",
+    "root_cause",
+    "type",
+    "message",
+    "time",
+    "pid",
+    "host",
+    "source",
+    "path",
+    "traceback",
+]
 
 
 class UsageError(Exception):
@@ -90,8 +102,7 @@ def runs(args) -> int:
     out.emit(rows, RUN_COLUMNS, args.fmt)
     if not rows and args.fmt in (None, "table"):
         filtered = args.state or args.since or args.match
-        print("eyas runs: " + ("no runs match" if db is not None and filtered else "no runs yet"),
-              file=sys.stderr)
+        print("eyas runs: " + ("no runs match" if db is not None and filtered else "no runs yet"), file=sys.stderr)
     return 0
 
 
@@ -144,8 +155,11 @@ def _outputs(run: dict) -> list[str]:
 def show_lines(run: dict) -> list[str]:
     state = run["state"] + (f" ({run['reason']})" if run.get("reason") else "")
     header = [
-        ("model", run["model"]), ("state", state), ("stage", run["stage"]),
-        ("config", run["config_path"]), ("output dir", run["output_dir"]),
+        ("model", run["model"]),
+        ("state", state),
+        ("stage", run["stage"]),
+        ("config", run["config_path"]),
+        ("output dir", run["output_dir"]),
         ("started", display.local_minute(run["started_at"] or run["created_at"])),
         ("duration", display.duration(run["duration"])),
     ]
@@ -153,10 +167,13 @@ def show_lines(run: dict) -> list[str]:
     lines += [f"  {k + ':':<12}{out.text(v)}".rstrip() for k, v in header]
 
     lines += ["", "stages:"]
-    cells = [[s["name"], s["state"], str(s["attempts"]), display.duration(s["duration"]), display.count(s["tok_s"])]
-             for s in run["stages"]]
-    lines += out.plain_table(["stage", "state", "attempts", "duration", "tok/s"], cells,
-                             [False, False, True, True, True], indent="  ")
+    cells = [
+        [s["name"], s["state"], str(s["attempts"]), display.duration(s["duration"]), display.count(s["tok_s"])]
+        for s in run["stages"]
+    ]
+    lines += out.plain_table(
+        ["stage", "state", "attempts", "duration", "tok/s"], cells, [False, False, True, True, True], indent="  "
+    )
 
     failures = []
     for s in run["stages"]:
@@ -182,12 +199,26 @@ def show_lines(run: dict) -> list[str]:
             continue
         latest = s["attempt_list"][-1]
         for r in latest["ranks"]:
-            cells.append([s["name"], str(latest["number"]), str(r["rank"]), out.text(r["pid"]),
-                          out.text(r["state"]), exit_text(r), display.size(r["peak_gpu_mem"]), display.count(r["tok_s"])])
+            cells.append(
+                [
+                    s["name"],
+                    str(latest["number"]),
+                    str(r["rank"]),
+                    out.text(r["pid"]),
+                    out.text(r["state"]),
+                    exit_text(r),
+                    display.size(r["peak_gpu_mem"]),
+                    display.count(r["tok_s"]),
+                ]
+            )
     if cells:
         lines += ["", "ranks (latest attempt of each stage):"]
-        lines += out.plain_table(["stage", "attempt", "rank", "pid", "state", "exit", "peak_gpu_mem", "tok/s"],
-                                 cells, [False, True, True, True, False, False, True, True], indent="  ")
+        lines += out.plain_table(
+            ["stage", "attempt", "rank", "pid", "state", "exit", "peak_gpu_mem", "tok/s"],
+            cells,
+            [False, True, True, True, False, False, True, True],
+            indent="  ",
+        )
 
     outputs = _outputs(run)
     if outputs:
@@ -210,23 +241,41 @@ def evaluate_lines(run: dict) -> list[str]:
     s = stage.get("summary") if stage else None
     if not isinstance(s, dict) or "acceptance_length" not in s:
         return []
-    head = (f"evaluate (k={s.get('num_speculative_tokens')}, {s.get('prompts')} prompts from the "
-            f"{s.get('prompt_source')}, up to {s.get('max_tokens')} tokens, vLLM {s.get('vllm_version')} "
-            f"on {s.get('device')}, tensor parallel {s.get('tensor_parallel_size')}):")
+    head = (
+        f"evaluate (k={s.get('num_speculative_tokens')}, {s.get('prompts')} prompts from the "
+        f"{s.get('prompt_source')}, up to {s.get('max_tokens')} tokens, vLLM {s.get('vllm_version')} "
+        f"on {s.get('device')}, tensor parallel {s.get('tensor_parallel_size')}):"
+    )
     cells = [
-        ["trained", _num(s["acceptance_length"], ".3f"), _num(s.get("acceptance_rate"), ".1%"),
-         _rates(s.get("per_position")), _num(s.get("draft_tok_s"), ",.0f")],
-        ["untrained", _num(s.get("baseline_acceptance_length"), ".3f"), _num(s.get("baseline_acceptance_rate"), ".1%"),
-         _rates(s.get("baseline_per_position")), _num(s.get("baseline_tok_s"), ",.0f")],
+        [
+            "trained",
+            _num(s["acceptance_length"], ".3f"),
+            _num(s.get("acceptance_rate"), ".1%"),
+            _rates(s.get("per_position")),
+            _num(s.get("draft_tok_s"), ",.0f"),
+        ],
+        [
+            "untrained",
+            _num(s.get("baseline_acceptance_length"), ".3f"),
+            _num(s.get("baseline_acceptance_rate"), ".1%"),
+            _rates(s.get("baseline_per_position")),
+            _num(s.get("baseline_tok_s"), ",.0f"),
+        ],
         ["no draft", "", "", "", _num(s.get("target_tok_s"), ",.0f")],
     ]
     lines = ["", head]
-    lines += out.plain_table(["draft", "accept len", "accept rate", "per position", "tok/s"], cells,
-                             [False, True, True, False, True], indent="  ")
+    lines += out.plain_table(
+        ["draft", "accept len", "accept rate", "per position", "tok/s"],
+        cells,
+        [False, True, True, False, True],
+        indent="  ",
+    )
     differ = s.get("mismatched_prompts") or 0
-    lines.append(f"  speedup x{_num(s.get('speedup'), '.2f')}; lossless: "
-                 + ("yes" if s.get("lossless") else f"NO, {differ} outputs differ from the target's")
-                 + " (greedy outputs with each draft vs without)")
+    lines.append(
+        f"  speedup x{_num(s.get('speedup'), '.2f')}; lossless: "
+        + ("yes" if s.get("lossless") else f"NO, {differ} outputs differ from the target's")
+        + " (greedy outputs with each draft vs without)"
+    )
     return lines
 
 
@@ -246,8 +295,9 @@ def errors(args) -> int:
         return 1
     names = [s["name"] for s in run["stages"]]
     if args.stage and args.stage not in names:
-        print(f"eyas errors: run {args.run} has no stage {args.stage!r} (its stages: {', '.join(names)})",
-              file=sys.stderr)
+        print(
+            f"eyas errors: run {args.run} has no stage {args.stage!r} (its stages: {', '.join(names)})", file=sys.stderr
+        )
         return 1
     rows = queries.errors(db, args.run, args.stage)
     if args.fmt in ("json", "csv", "nl"):

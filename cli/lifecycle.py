@@ -39,6 +39,7 @@ def start(args) -> int:
     home = paths.state_dir()
     if args.foreground:
         from eyas.daemon import main as daemon_main
+
         return daemon_main.run(home, args.grace, to_stderr=True)
     running = _ping()
     if running:
@@ -49,7 +50,11 @@ def start(args) -> int:
     with open(home / "daemon.out", "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "eyas.daemon.main", "--home", str(home), "--grace", str(args.grace)],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True, close_fds=True,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+            close_fds=True,
         )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -63,8 +68,10 @@ def start(args) -> int:
                 continue
             return _already(info, home)
         if info:
-            print(f"eyas daemon started (pid {info['pid']})\n  socket   {info['socket']}\n"
-                  f"  database {paths.db_path(home)}\n  log      {home / 'daemon.log'}")
+            print(
+                f"eyas daemon started (pid {info['pid']})\n  socket   {info['socket']}\n"
+                f"  database {paths.db_path(home)}\n  log      {home / 'daemon.log'}"
+            )
             return 0
         if proc.poll() is not None and not _another_holds_the_lock(home, proc.pid):
             break
@@ -126,14 +133,18 @@ def status(args) -> int:
     print(f"  GPUs     {'NVML' if info.get('gpu') else 'none (CPU figures only)'}")
     if info.get("full"):
         # Said first: while it lasts no attempt starts and ends are recorded only once space returns.
-        print(f"  state directory full: {info['full']['what']} (since {_duration(time.time() - info['full']['since'])}"
-              " ago; no attempt starts, records wait for space)")
+        print(
+            f"  state directory full: {info['full']['what']} (since {_duration(time.time() - info['full']['since'])}"
+            " ago; no attempt starts, records wait for space)"
+        )
     if info.get("store_busy"):
         busy = info["store_busy"]
         # The daemon goes on supervising; what it records waits in order for the lock.
-        print(f"  store busy: another process holds {info['database']} locked (for "
-              f"{_duration(time.time() - busy['since'])}; {busy['pending'] + 1} writes waiting, first "
-              f"{busy['what']}; no attempt starts until it is released)")
+        print(
+            f"  store busy: another process holds {info['database']} locked (for "
+            f"{_duration(time.time() - busy['since'])}; {busy['pending'] + 1} writes waiting, first "
+            f"{busy['what']}; no attempt starts until it is released)"
+        )
     if not info["active"]:
         print("  no active runs")
     for a in info["active"]:

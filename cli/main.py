@@ -56,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("config", help="the run's TOML file")
     s.add_argument("--follow", "-f", action="store_true", help="stream progress until the run ends")
 
-    for name, text in (("stop", "cancel a run, or one stage"), ("retry", "start a new attempt that resumes completed work")):
+    for name, text in (
+        ("stop", "cancel a run, or one stage"),
+        ("retry", "start a new attempt that resumes completed work"),
+    ):
         c = sub.add_parser(name, help=text)
         c.add_argument("run", type=int)
         c.add_argument("--stage")
@@ -134,8 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         # request's limit) is one line for the user, not a socket traceback.
         from eyas.state import paths
 
-        print(f"eyas {args.command}: the daemon did not answer in time on {paths.find_socket()}; "
-              f"it is busy or stuck: see {paths.state_dir() / 'daemon.log'}", file=sys.stderr)
+        print(
+            f"eyas {args.command}: the daemon did not answer in time on {paths.find_socket()}; "
+            f"it is busy or stuck: see {paths.state_dir() / 'daemon.log'}",
+            file=sys.stderr,
+        )
         return 1
     except Exception as exc:
         damaged = _damaged_store(exc)

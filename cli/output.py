@@ -78,8 +78,14 @@ def plain_table(header: list[str], cells: list[list[str]], right: list[bool], in
 # rich lays a Table out at about 1 ms a row here: beyond this many rows a terminal gets the
 # plain table, which prints 10,000 runs in a blink instead of ten seconds.
 RICH_MAX_ROWS = 300
-STATE_STYLES = {"failed": "red", "succeeded": "green", "running": "cyan", "cancelled": "yellow",
-                "pending": "dim", "skipped": "dim"}
+STATE_STYLES = {
+    "failed": "red",
+    "succeeded": "green",
+    "running": "cyan",
+    "cancelled": "yellow",
+    "pending": "dim",
+    "skipped": "dim",
+}
 
 
 def rich_table(header: list[str], cells: list[list[str]], right: list[bool], out) -> None:

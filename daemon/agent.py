@@ -43,8 +43,10 @@ class Agent:
         the stop still happens (the disk may be full because of this very run); its
         settlement, written after this, carries the reason."""
         now = time.time()
-        return self.write_later(lambda db: store.record_cancel(db, group.attempt_id, reason, now=now),
-                                f"recording the stop of run {group.run_id} {group.stage} in eyas.db")
+        return self.write_later(
+            lambda db: store.record_cancel(db, group.attempt_id, reason, now=now),
+            f"recording the stop of run {group.run_id} {group.stage} in eyas.db",
+        )
 
     async def _cancel_group(self, group: Group, reason: str) -> None:
         """End a live group on purpose: record why (waiting a moment for it), then signal."""
@@ -66,9 +68,12 @@ class Agent:
                     self._record_worker(group, r)
                 else:
                     pid, create_time = r.pid, r.create_time
-                    self.write_later(lambda db, a=attempt_id, r=r.rank, p=pid, c=create_time:
-                                     store.upsert_rank(db, a, r, pid=p, create_time=c),
-                                     f"recording rank {r.rank}'s pid in eyas.db")
+                    self.write_later(
+                        lambda db, a=attempt_id, r=r.rank, p=pid, c=create_time: store.upsert_rank(
+                            db, a, r, pid=p, create_time=c
+                        ),
+                        f"recording rank {r.rank}'s pid in eyas.db",
+                    )
             for ex in exits:
                 self._record_exit(group, ex)
             if group.teardown_since is None and any(group.counts_as_failure(e) for e in exits):
@@ -91,14 +96,16 @@ class Agent:
             why = watchdog.summary(group)
             log.warning("run %s: %s attempt %d %s", group.run_id, group.stage, group.attempt, why)
             self._emit_state(group.run_id, "stage", "running", why, stage=group.stage, attempt=group.attempt)
-            self.record_stuck(group)         # queued before any signal (intent.py)
+            self.record_stuck(group)  # queued before any signal (intent.py)
             self._spawn_task(watchdog.end(group, self.grace, self.record_stuck))
 
     def record_stuck(self, group: Group) -> None:
         """Write the watchdog's finding (and, once collected, the stacks) on its attempt."""
-        stuck = dict(group.stuck)       # as it is now: the loop goes on filling it in
-        self.write_later(lambda db: store.record_stuck(db, group.attempt_id, stuck),
-                         f"recording run {group.run_id} {group.stage}'s {stuck['kind']} in eyas.db")
+        stuck = dict(group.stuck)  # as it is now: the loop goes on filling it in
+        self.write_later(
+            lambda db: store.record_stuck(db, group.attempt_id, stuck),
+            f"recording run {group.run_id} {group.stage}'s {stuck['kind']} in eyas.db",
+        )
 
     def _record_worker(self, group: Group, w: Rank) -> None:
         """A TP worker registered: a rank of the attempt from now on; its driver is one too."""
@@ -106,34 +113,57 @@ class Agent:
         started = w.started_at or time.time()
 
         def record(db):
-            store.upsert_rank(db, group.attempt_id, w.rank, pid=w.pid, create_time=w.create_time, host=self.host,
-                              device=w.device, state="running", started_at=started,
-                              log_path=str(w.log_path), role="tp-worker", tp_rank=w.tp_rank,
-                              # The vllm backend runs one driver rank (the stage refuses more).
-                              parent_rank=0)
+            store.upsert_rank(
+                db,
+                group.attempt_id,
+                w.rank,
+                pid=w.pid,
+                create_time=w.create_time,
+                host=self.host,
+                device=w.device,
+                state="running",
+                started_at=started,
+                log_path=str(w.log_path),
+                role="tp-worker",
+                tp_rank=w.tp_rank,
+                # The vllm backend runs one driver rank (the stage refuses more).
+                parent_rank=0,
+            )
             for rank in drivers:
                 store.upsert_rank(db, group.attempt_id, rank, role="driver")
-            self._emit_state(group.run_id, "rank", "running", f"TP rank {w.tp_rank} (pid {w.pid}) registered",
-                             stage=group.stage, attempt=group.attempt)
+            self._emit_state(
+                group.run_id,
+                "rank",
+                "running",
+                f"TP rank {w.tp_rank} (pid {w.pid}) registered",
+                stage=group.stage,
+                attempt=group.attempt,
+            )
 
         self.write_later(record, f"recording TP rank {w.tp_rank} of run {group.run_id} in eyas.db")
 
     def _record_exit(self, group: Group, ex: RankExit) -> None:
         """Queue a rank's exit; the settlement writes it again with the group's end."""
         fields = self._exit_fields(group, ex)
-        self.write_later(lambda db: self._write_exit(db, group, ex, fields),
-                         f"recording rank {ex.rank}'s exit in eyas.db")
+        self.write_later(
+            lambda db: self._write_exit(db, group, ex, fields), f"recording rank {ex.rank}'s exit in eyas.db"
+        )
 
     @staticmethod
     def _exit_fields(group: Group, ex: RankExit) -> dict:
         state = "failed" if group.counts_as_failure(ex) else ("exited" if not ex.failed else "killed")
-        return {"state": state, "exit_code": ex.exit_code, "signal": ex.signal, "oom_killed": int(ex.oom_killed),
-                "ended_at": ex.time, **({"pid": ex.pid} if ex.pid else {})}
+        return {
+            "state": state,
+            "exit_code": ex.exit_code,
+            "signal": ex.signal,
+            "oom_killed": int(ex.oom_killed),
+            "ended_at": ex.time,
+            **({"pid": ex.pid} if ex.pid else {}),
+        }
 
     def _write_exit(self, db, group: Group, ex: RankExit, fields: dict) -> None:
         store.upsert_rank(db, group.attempt_id, ex.rank, **fields)
-        self._emit_state(group.run_id, "rank", fields["state"], exit_text(ex), stage=group.stage,
-                         attempt=group.attempt)
+        self._emit_state(group.run_id, "rank", fields["state"], exit_text(ex), stage=group.stage, attempt=group.attempt)
 
     def _settle_group(self, group: Group) -> None:
         """Record the group's end (daemon/settle.py); it leaves memory only once that is written."""
@@ -167,7 +197,10 @@ class Agent:
                 break
             await asyncio.sleep(0.05)
         if self.groups:
-            log.warning("stopping with %d group%s not recorded as ended (%s); the next daemon settles them",
-                        len(self.groups), "" if len(self.groups) == 1 else "s",
-                        self.store.status() or "the store did not answer")
+            log.warning(
+                "stopping with %d group%s not recorded as ended (%s); the next daemon settles them",
+                len(self.groups),
+                "" if len(self.groups) == 1 else "s",
+                self.store.status() or "the store did not answer",
+            )
         self._shutdown_done.set()

@@ -65,8 +65,11 @@ class Api:
             if not diskfull.is_full(exc):
                 raise
             self.disk.mark(f"serving {req.op}", exc)
-            raise ProtocolError(protocol.STATE_FULL, f"state directory full: {self.disk.state.what}; "
-                                f"{req.op} was not done (free space in {self.home} and try again)") from None
+            raise ProtocolError(
+                protocol.STATE_FULL,
+                f"state directory full: {self.disk.state.what}; "
+                f"{req.op} was not done (free space in {self.home} and try again)",
+            ) from None
         # Anything else is eyas's own bug: the server logs its traceback and replies
         # "internal", rather than passing it off as the caller's bad request.
         finally:
@@ -80,19 +83,33 @@ class Api:
         active = []
         for g in self.groups.values():
             live = self.stage_live.get((g.run_id, g.stage), {})
-            active.append({"run_id": g.run_id, "stage": g.stage, "attempt": g.attempt,
-                           "world_size": g.world_size, "devices": g.devices,
-                           "pids": [r.pid or r.monitor_pid for r in g.ranks],
-                           "tok_s": live.get("tok_s"), "eta_s": live.get("eta_s"),
-                           "progress": live.get("progress")})
-        return {"pid": os.getpid(), "uptime": time.time() - self.started, "home": str(self.home),
-                # The socket the server serves (daemon.main sets it; it moves when rebound).
-                "socket": str(self.served_socket or paths.socket_path(self.home, create=False)),
-                "database": str(paths.db_path(self.home)),
-                # `waiting` copied at once (one C call): the store thread edits it.
-                "active": active, "waiting": {str(k): v for k, v in dict(self.waiting).items()},
-                "gpu": self.sampler.gpu_available, "full": self.disk.status(),
-                "store_busy": self.store.status()}
+            active.append(
+                {
+                    "run_id": g.run_id,
+                    "stage": g.stage,
+                    "attempt": g.attempt,
+                    "world_size": g.world_size,
+                    "devices": g.devices,
+                    "pids": [r.pid or r.monitor_pid for r in g.ranks],
+                    "tok_s": live.get("tok_s"),
+                    "eta_s": live.get("eta_s"),
+                    "progress": live.get("progress"),
+                }
+            )
+        return {
+            "pid": os.getpid(),
+            "uptime": time.time() - self.started,
+            "home": str(self.home),
+            # The socket the server serves (daemon.main sets it; it moves when rebound).
+            "socket": str(self.served_socket or paths.socket_path(self.home, create=False)),
+            "database": str(paths.db_path(self.home)),
+            # `waiting` copied at once (one C call): the store thread edits it.
+            "active": active,
+            "waiting": {str(k): v for k, v in dict(self.waiting).items()},
+            "gpu": self.sampler.gpu_available,
+            "full": self.disk.status(),
+            "store_busy": self.store.status(),
+        }
 
     @staticmethod
     def _run_id(run: Any) -> int:
@@ -120,8 +137,9 @@ class Api:
         stages = []
         for name in cfg.pipeline:
             max_restarts, _backoff, _options = run_config.stage_settings(cfg, name)
-            stages.append({"name": name, "max_restarts": max_restarts,
-                           "world_size": run_config.stage_world_size(cfg, name)})
+            stages.append(
+                {"name": name, "max_restarts": max_restarts, "world_size": run_config.stage_world_size(cfg, name)}
+            )
         model = Path(cfg.target.path).name if getattr(cfg.target, "path", None) else None
         claimed: list[Path] = []
 
@@ -134,9 +152,17 @@ class Api:
             output_dir = Path(cfg.output_dir) if cfg.output_dir else run_dir / "out"
             data["output_dir"] = str(output_dir)
             (run_dir / "config.json").write_text(json.dumps(data, indent=2))
-            store.create_run(db, name=cfg.name, model=model, stages=stages, config=data,
-                             config_path=str(Path(config_path).absolute()), output_dir=str(output_dir),
-                             run_id=run_id, dir=str(run_dir))
+            store.create_run(
+                db,
+                name=cfg.name,
+                model=model,
+                stages=stages,
+                config=data,
+                config_path=str(Path(config_path).absolute()),
+                output_dir=str(output_dir),
+                run_id=run_id,
+                dir=str(run_dir),
+            )
             self._emit_state(run_id, "run", "pending", "submitted")
             return run_id, output_dir
 
@@ -148,7 +174,7 @@ class Api:
             for run_dir in claimed:
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise
-        for run_dir in claimed[:-1]:        # claimed by a try that met the lock
+        for run_dir in claimed[:-1]:  # claimed by a try that met the lock
             shutil.rmtree(run_dir, ignore_errors=True)
         log.info("run %s submitted: %s (%s)", run_id, cfg.name, ", ".join(cfg.pipeline))
         return {"run_id": run_id, "stages": list(cfg.pipeline), "output_dir": str(output_dir)}
@@ -163,8 +189,9 @@ class Api:
         raise machine.IllegalTransition(f"run {run_id} has no stage that is {' or '.join(states)}")
 
     def _group_of(self, run_id: int, stage: str | None = None) -> Group | None:
-        return next((g for g in self.groups.values()
-                     if g.run_id == run_id and (stage is None or g.stage == stage)), None)
+        return next(
+            (g for g in self.groups.values() if g.run_id == run_id and (stage is None or g.stage == stage)), None
+        )
 
     @contextlib.asynccontextmanager
     async def _deciding(self, what: str):
@@ -229,7 +256,8 @@ class Api:
             srow = store.stage_row(db, run_id, stage)
             if srow["state"] == "running":
                 raise machine.IllegalTransition(
-                    f"stage {stage} of run {run_id} is running; stop it first (eyas stop {run_id} --stage {stage})")
+                    f"stage {stage} of run {run_id} is running; stop it first (eyas stop {run_id} --stage {stage})"
+                )
             self._move_stage(run_id, stage, "skipped", "skipped by the user")
 
         await self._request(skip, f"skipping {stage} of run {run_id}")
@@ -245,13 +273,22 @@ class Api:
             # Only to tell "no such run" from "nothing running"; a live group needs no store.
             await self._request(lambda db: self._run_row(db, run_id), f"reading run {run_id}")
             what = f"stage {stage} of run {run_id} is not running" if stage else f"run {run_id} has no running stage"
-            raise machine.IllegalTransition(f"{what}: only live ranks have stacks "
-                                            f"(a failed rank's traceback: eyas errors {run_id})")
+            raise machine.IllegalTransition(
+                f"{what}: only live ranks have stacks (a failed rank's traceback: eyas errors {run_id})"
+            )
         members = [*group.ranks, *group.workers.values()]
-        ranks = (await stacks.collect(members, native_timeout=native_stacks.INTERACTIVE_TIMEOUT) if native
-                 else stacks.request(members))
-        log.info("run %s: %s attempt %d: stacks requested from %d ranks", run_id, group.stage, group.attempt,
-                 sum("offset" in r for r in ranks))
+        ranks = (
+            await stacks.collect(members, native_timeout=native_stacks.INTERACTIVE_TIMEOUT)
+            if native
+            else stacks.request(members)
+        )
+        log.info(
+            "run %s: %s attempt %d: stacks requested from %d ranks",
+            run_id,
+            group.stage,
+            group.attempt,
+            sum("offset" in r for r in ranks),
+        )
         return {"run_id": run_id, "stage": group.stage, "attempt": group.attempt, "ranks": ranks}
 
     async def op_resume(self, run: int) -> dict:

@@ -68,8 +68,9 @@ class Connection:
 
     _ids = itertools.count(1)
 
-    def __init__(self, server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 pid: int, uid: int, gid: int):
+    def __init__(
+        self, server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pid: int, uid: int, gid: int
+    ):
         self.id = next(self._ids)
         self.peer_pid = pid
         self.peer_uid = uid
@@ -135,8 +136,9 @@ class Connection:
                     sub.dropped += 1
         self._queue = kept
         self._overflowed = True
-        self._server.log.warning("connection %s (pid %s) is not reading; dropping its events until it catches up",
-                                 self.id, self.peer_pid)
+        self._server.log.warning(
+            "connection %s (pid %s) is not reading; dropping its events until it catches up", self.id, self.peer_pid
+        )
 
     def _end_overflow(self) -> None:
         self._overflowed = False
@@ -196,9 +198,14 @@ class Connection:
                     if len(buf) > protocol.MAX_LINE:
                         buf.clear()
                         skipping = nl < 0
-                        self.send_reply(protocol.error_reply(None, protocol.TOO_LARGE,
-                                        f"a message longer than the {protocol.MAX_LINE}-byte limit was "
-                                        "discarded; send smaller requests"))
+                        self.send_reply(
+                            protocol.error_reply(
+                                None,
+                                protocol.TOO_LARGE,
+                                f"a message longer than the {protocol.MAX_LINE}-byte limit was "
+                                "discarded; send smaller requests",
+                            )
+                        )
                     elif nl >= 0:
                         line = bytes(buf)
                         buf.clear()
@@ -252,8 +259,10 @@ class Connection:
         try:
             sub = _parse_subscribe(req)
             if sub.id in self.subscriptions:
-                raise ProtocolError(protocol.BAD_REQUEST, f"subscription {sub.id!r} is already active on this "
-                                    "connection; use a new request id")
+                raise ProtocolError(
+                    protocol.BAD_REQUEST,
+                    f"subscription {sub.id!r} is already active on this connection; use a new request id",
+                )
         except ProtocolError as exc:
             self.send_reply(protocol.error_reply(req.id, exc.code, str(exc)))
             return
@@ -264,8 +273,9 @@ class Connection:
     def _unsubscribe(self, req: Request) -> None:
         sub_id = req.args.get("sub")
         if sub_id not in self.subscriptions:
-            self.send_reply(protocol.error_reply(req.id, protocol.NOT_FOUND,
-                                                 f"no subscription {sub_id!r} on this connection"))
+            self.send_reply(
+                protocol.error_reply(req.id, protocol.NOT_FOUND, f"no subscription {sub_id!r} on this connection")
+            )
             return
         # Events already queued go out before this reply; none follow it.
         del self.subscriptions[sub_id]
@@ -278,7 +288,9 @@ def _parse_subscribe(req: Request) -> _Sub:
     if isinstance(topics, str):
         topics = [topics]
     if not isinstance(topics, list) or not topics or not all(isinstance(t, str) for t in topics):
-        raise ProtocolError(protocol.BAD_REQUEST, f"subscribe needs 'topics': a non-empty list of {list(protocol.TOPICS)}")
+        raise ProtocolError(
+            protocol.BAD_REQUEST, f"subscribe needs 'topics': a non-empty list of {list(protocol.TOPICS)}"
+        )
     unknown = [t for t in topics if t not in protocol.TOPICS]
     if unknown:
         raise ProtocolError(protocol.BAD_REQUEST, f"unknown topic(s) {unknown}; known: {list(protocol.TOPICS)}")
@@ -290,12 +302,14 @@ def _parse_subscribe(req: Request) -> _Sub:
         if value is None:
             continue
         if not isinstance(value, kind) or isinstance(value, bool):
-            raise ProtocolError(protocol.BAD_REQUEST, f"subscribe filter {name!r} must be {kind.__name__}, "
-                                f"not {value!r}")
+            raise ProtocolError(
+                protocol.BAD_REQUEST, f"subscribe filter {name!r} must be {kind.__name__}, not {value!r}"
+            )
         filters[_FILTER_KEYS[name]] = value
     if args:
-        raise ProtocolError(protocol.BAD_REQUEST, f"subscribe does not take {sorted(args)}; "
-                            "it takes topics, run, stage, rank")
+        raise ProtocolError(
+            protocol.BAD_REQUEST, f"subscribe does not take {sorted(args)}; it takes topics, run, stage, rank"
+        )
     return _Sub(req.id, frozenset(topics), filters)
 
 

@@ -46,9 +46,10 @@ PRUNE_PERIOD = 600.0
 class Core(Api, Scheduler, Agent, Recovery, Metrics, Recording):
     """The daemon: the socket server's handler (`handle`), and the only writer of the store."""
 
-    def __init__(self, db, home: Path, *, grace: float = 10.0, sampler: Sampler | None = None,
-                 publish=None, wants=None):
-        self.db = db            # the store thread's connection: used only inside store jobs
+    def __init__(
+        self, db, home: Path, *, grace: float = 10.0, sampler: Sampler | None = None, publish=None, wants=None
+    ):
+        self.db = db  # the store thread's connection: used only inside store jobs
         self.store = Writer(db, on_busy=self._store_changed)
         self.home = home
         self.grace = grace
@@ -56,33 +57,35 @@ class Core(Api, Scheduler, Agent, Recovery, Metrics, Recording):
         self.publish = publish or (lambda topic, data: None)
         self.wants = wants or (lambda topic: False)
         self.host = socket.gethostname()
-        self.groups: dict[int, Group] = {}           # attempt id -> live group
+        self.groups: dict[int, Group] = {}  # attempt id -> live group
         # A full state directory (daemon/diskfull.py): no attempt starts while it lasts.
         self.disk = diskfull.Condition(home)
-        self.served_socket: Path | None = None   # set by the daemon's main as it binds (and rebinds)
+        self.served_socket: Path | None = None  # set by the daemon's main as it binds (and rebinds)
         self.disk.on_change = self._disk_changed
         # The state events of the store job running on this thread: published once it commits.
         self._local = threading.local()
-        self._planning = False           # a scheduling pass is recording or spawning
-        self._decide = asyncio.Lock()    # held while the scheduler plans and spawns, and by a stop
+        self._planning = False  # a scheduling pass is recording or spawning
+        self._decide = asyncio.Lock()  # held while the scheduler plans and spawns, and by a stop
         self._metrics_lock = threading.Lock()
-        self._metrics_buf: dict | None = None      # samples waiting for the store thread
-        self.waiting: dict[int, str] = {}            # run id -> why it waits
+        self._metrics_buf: dict | None = None  # samples waiting for the store thread
+        self.waiting: dict[int, str] = {}  # run id -> why it waits
         self.started = time.time()
         self.stopping = False
         self._dirty = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._last_sample = 0.0
         self._last_prune = 0.0
-        self.stage_live: dict[tuple[int, str], dict] = {}   # latest roll-up per running stage
+        self.stage_live: dict[tuple[int, str], dict] = {}  # latest roll-up per running stage
 
     def poke(self) -> None:
         self._dirty.set()
 
     def prune(self) -> None:
         now = time.time()
-        self.write_later(lambda db: store.prune_metrics(db, max_age_s=METRICS_MAX_AGE, max_rows=METRICS_MAX_ROWS,
-                                                        now=now), "pruning metrics")
+        self.write_later(
+            lambda db: store.prune_metrics(db, max_age_s=METRICS_MAX_AGE, max_rows=METRICS_MAX_ROWS, now=now),
+            "pruning metrics",
+        )
 
     def _step(self, what: str, fn, *args, **kwargs) -> None:
         """One step of the supervision loop. The daemon survives its own bugs (logged) and a
@@ -114,7 +117,7 @@ class Core(Api, Scheduler, Agent, Recovery, Metrics, Recording):
             if now - self._last_sample >= SAMPLE_PERIOD:
                 self._last_sample = now
                 self._step("checking free space", self.disk.check, now)
-                if not self.disk.full:      # metrics wait for space; the record comes first
+                if not self.disk.full:  # metrics wait for space; the record comes first
                     self._step("writing metrics to eyas.db", self.sample, now)
                 self._step("hang watch", self.watch_hangs, now)
             if now - self._last_prune >= PRUNE_PERIOD and not self.disk.full:

@@ -37,14 +37,15 @@ def is_full(exc: BaseException | None) -> bool:
         if isinstance(exc, OSError) and exc.errno in FULL_ERRNOS:
             return True
         if isinstance(exc, sqlite3.DatabaseError) and (
-                getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(exc)):
+            getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(exc)
+        ):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
 
 
 def errno_name(exc: BaseException) -> str:
-    """"ENOSPC", "EDQUOT": the name a root cause gives the condition (SQLite says neither)."""
+    """ "ENOSPC", "EDQUOT": the name a root cause gives the condition (SQLite says neither)."""
     if isinstance(exc, OSError) and exc.errno == errno.EDQUOT:
         return "EDQUOT"
     return "ENOSPC"
@@ -61,7 +62,7 @@ def free_bytes(path: Path) -> int | None:
 
 @dataclass
 class Full:
-    what: str           # "ENOSPC while writing eyas.db (metrics): database or disk is full"
+    what: str  # "ENOSPC while writing eyas.db (metrics): database or disk is full"
     since: float
     retry_at: float
     delay: float = FIRST_DELAY
@@ -73,7 +74,7 @@ class Condition:
     def __init__(self, home: Path):
         self.home = home
         self.state: Full | None = None
-        self.seen_at: float | None = None     # the last moment the directory was known full
+        self.seen_at: float | None = None  # the last moment the directory was known full
         # Told status() each time the condition starts or ends (the daemon publishes it, so
         # the TUI can say so while it lasts).
         self.on_change: Callable[[dict | None], None] = lambda status: None

@@ -52,8 +52,11 @@ PEER_LOSS_WINDOW = 1.0
 
 
 # What gloo, NCCL and torch.distributed say when the other end of a collective went away.
-_PEER_LOSS = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|DistBackendError|"
-                        r"DistNetworkError|remote process exited|NCCL communicator was aborted", re.IGNORECASE)
+_PEER_LOSS = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|DistBackendError|"
+    r"DistNetworkError|remote process exited|NCCL communicator was aborted",
+    re.IGNORECASE,
+)
 
 
 def _failure_time(ex: RankExit) -> float:
@@ -107,13 +110,22 @@ def describe_failure(group: Group, ex: RankExit, host: str) -> contract.ErrorRec
     tp = {"role": "tp-worker", "tp_rank": ex.tp_rank} if ex.tp_rank is not None else {}
     if ex.error is not None:
         e = ex.error
-        path = (contract.tp_file(ex.tp_rank, contract.ERROR) if ex.tp_rank is not None
-                else contract.rank_file(ex.rank, contract.ERROR))
+        path = (
+            contract.tp_file(ex.tp_rank, contract.ERROR)
+            if ex.tp_rank is not None
+            else contract.rank_file(ex.rank, contract.ERROR)
+        )
         return contract.ErrorRecord(
-            rank=ex.rank, pid=e.get("pid", ex.pid), host=e.get("host", host),
-            type=e.get("type") or "Exception", message=e.get("message") or "",
-            traceback=e.get("traceback") or log_tail(rank.log_path), time=float(e.get("time") or ex.time),
-            source="exception", path=str(group.dir / path), **tp,
+            rank=ex.rank,
+            pid=e.get("pid", ex.pid),
+            host=e.get("host", host),
+            type=e.get("type") or "Exception",
+            message=e.get("message") or "",
+            traceback=e.get("traceback") or log_tail(rank.log_path),
+            time=float(e.get("time") or ex.time),
+            source="exception",
+            path=str(group.dir / path),
+            **tp,
         )
     tail = log_tail(rank.log_path)
     if ex.tp_rank is not None:
@@ -124,13 +136,23 @@ def describe_failure(group: Group, ex: RankExit, host: str) -> contract.ErrorRec
         else:
             kind, how = "WorkerDied", "ended (its exit status was not known yet when vLLM looked)"
         return contract.ErrorRecord(
-            rank=ex.rank, pid=ex.pid, host=host, type=kind,
+            rank=ex.rank,
+            pid=ex.pid,
+            host=host,
+            type=kind,
             message=f"TP rank {ex.tp_rank} (pid {ex.pid}) {how}: vLLM's executor reported that it died unexpectedly",
-            traceback=tail, time=ex.time, source="signal" if ex.signal else "exit", path=str(rank.log_path), **tp)
+            traceback=tail,
+            time=ex.time,
+            source="signal" if ex.signal else "exit",
+            path=str(rank.log_path),
+            **tp,
+        )
     if ex.lost:
-        kind, msg, source = "Lost", (
-            f"rank {ex.rank} (pid {ex.pid}) ended while the daemon was down and left no exit record"
-        ), "lost"
+        kind, msg, source = (
+            "Lost",
+            (f"rank {ex.rank} (pid {ex.pid}) ended while the daemon was down and left no exit record"),
+            "lost",
+        )
     elif ex.signal is not None:
         kind = ex.signal_name
         msg = f"rank {ex.rank} (pid {ex.pid}) was killed by {kind} (signal {ex.signal})"
@@ -138,11 +160,22 @@ def describe_failure(group: Group, ex: RankExit, host: str) -> contract.ErrorRec
             msg += ": the kernel's OOM killer ended it (out of memory)"
         source = "signal"
     else:
-        kind, msg, source = "ExitCode", (
-            f"rank {ex.rank} (pid {ex.pid}) exited with code {ex.exit_code} without a Python exception"
-        ), "exit"
-    return contract.ErrorRecord(rank=ex.rank, pid=ex.pid, host=host, type=kind, message=msg, traceback=tail,
-                                time=ex.time, source=source, path=str(rank.log_path))
+        kind, msg, source = (
+            "ExitCode",
+            (f"rank {ex.rank} (pid {ex.pid}) exited with code {ex.exit_code} without a Python exception"),
+            "exit",
+        )
+    return contract.ErrorRecord(
+        rank=ex.rank,
+        pid=ex.pid,
+        host=host,
+        type=kind,
+        message=msg,
+        traceback=tail,
+        time=ex.time,
+        source=source,
+        path=str(rank.log_path),
+    )
 
 
 def ordered(group: Group, host: str, stuck: ErrorRecord | None) -> list[tuple[RankExit | None, ErrorRecord]]:
@@ -162,20 +195,36 @@ def as_recorded(core, group: Group, ex: RankExit | None, rec: ErrorRecord) -> Er
     """One failure's error record as it is written; a rank whose exit or error file is missing
     because the state directory was full is named for that, not as a plain exit code or a lost
     rank. Decided at each try: the settlement's own write may be what shows the disk full."""
-    if ex is None or ex.tp_rank is not None or ex.error is not None or ex.signal is not None or not _was_full(core, group):
+    if (
+        ex is None
+        or ex.tp_rank is not None
+        or ex.error is not None
+        or ex.signal is not None
+        or not _was_full(core, group)
+    ):
         return rec
-    missing = [name for name in (contract.rank_file(ex.rank, contract.EXIT), contract.rank_file(ex.rank, contract.ERROR))
-               if not (group.dir / name).exists()]
+    missing = [
+        name
+        for name in (contract.rank_file(ex.rank, contract.EXIT), contract.rank_file(ex.rank, contract.ERROR))
+        if not (group.dir / name).exists()
+    ]
     if not missing:
         return rec
     how = f"exited with code {ex.exit_code}" if ex.exit_code is not None else "ended"
-    return rec.replace(type="ENOSPC", source="disk_full", path=str(group.dir / missing[0]),
-                       message=f"ENOSPC while writing {' and '.join(missing)}: the state directory {core.home} "
-                               f"was full (no space left on device); rank {ex.rank} (pid {ex.pid}) {how}",
-                       traceback=rec.traceback or log_tail(group.rank_of(ex.rank).log_path))
+    return rec.replace(
+        type="ENOSPC",
+        source="disk_full",
+        path=str(group.dir / missing[0]),
+        message=f"ENOSPC while writing {' and '.join(missing)}: the state directory {core.home} "
+        f"was full (no space left on device); rank {ex.rank} (pid {ex.pid}) {how}",
+        traceback=rec.traceback or log_tail(group.rank_of(ex.rank).log_path),
+    )
 
 
 def _was_full(core, group: Group) -> bool:
     disk = core.disk
-    return (disk.full or (disk.seen_at is not None and disk.seen_at >= group.started_at - procs.CREATE_TIME_SLACK_S)
-            or disk.low(group.dir))
+    return (
+        disk.full
+        or (disk.seen_at is not None and disk.seen_at >= group.started_at - procs.CREATE_TIME_SLACK_S)
+        or disk.low(group.dir)
+    )

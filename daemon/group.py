@@ -62,18 +62,18 @@ class Group(TPWorkers):
     ranks: list[Rank] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
     teardown_since: float | None = None
-    tearing: bool = False            # a teardown is in progress: settle only after it ends
+    tearing: bool = False  # a teardown is in progress: settle only after it ends
     cancel_reason: str | None = None
     oom_before: int | None = None
-    metrics_since: float | None = None   # set on re-adoption: samples up to here are stored
+    metrics_since: float | None = None  # set on re-adoption: samples up to here are stored
     # (pid, create_time) of every process seen in the ranks' trees, fed by the sampler, so
     # that teardown also finds children that left the ranks' sessions.
     seen: set[tuple[int, float]] = field(default_factory=set)
     # Tensor-parallel workers of a vLLM driver (rank 0), by TP rank.
     workers: dict[int, Rank] = field(default_factory=dict)
     splitter: LogSplitter | None = None
-    leftovers_ended: bool = False    # the driver ranks ended and their leftovers were torn down
-    pidfds: dict[int, int] = field(default_factory=dict)   # TP rank -> pidfd watched by the event loop
+    leftovers_ended: bool = False  # the driver ranks ended and their leftovers were torn down
+    pidfds: dict[int, int] = field(default_factory=dict)  # TP rank -> pidfd watched by the event loop
     # The hang watchdog (daemon/watchdog.py): seconds of quiet allowed (0: off), seconds a
     # rank may outlive its work or its peers (0: off), when the attempt directory last changed
     # and how it looked; once stuck, the rule's record (with the stacks under "asked" once
@@ -83,28 +83,41 @@ class Group(TPWorkers):
     active_at: float = field(default_factory=time.time)
     activity: tuple = ()
     stuck: dict | None = None
-    ignored: set = field(default_factory=set)    # records refused by own_record, each logged once
+    ignored: set = field(default_factory=set)  # records refused by own_record, each logged once
     # The settlement (daemon/settle.py): what the end was, read once, and when to try again
     # to record it after a write failed (the group stays in memory until it is recorded).
     account: object | None = None
     settle_retry_at: float = 0.0
     settle_retries: int = 0
-    settling: bool = False          # its settlement is queued on the store thread
+    settling: bool = False  # its settlement is queued on the store thread
 
     # -- start -------------------------------------------------------------------------
 
     @classmethod
-    def spawn(cls, *, run_id: int, stage: str, attempt_id: int, attempt: int, dir: Path,
-              world_size: int, devices: list[int], output_dir: Path, config_path: Path | None,
-              extra_env: dict[str, str] | None = None) -> Group:
+    def spawn(
+        cls,
+        *,
+        run_id: int,
+        stage: str,
+        attempt_id: int,
+        attempt: int,
+        dir: Path,
+        world_size: int,
+        devices: list[int],
+        output_dir: Path,
+        config_path: Path | None,
+        extra_env: dict[str, str] | None = None,
+    ) -> Group:
         dir.parent.mkdir(parents=True, exist_ok=True)
         try:
             # Exclusively: a folder that exists holds another run's or attempt's files (a
             # database lost or restored reissues ids), and not one byte may mix with them.
             dir.mkdir()
         except FileExistsError:
-            raise FileExistsError(errno.EEXIST, f"attempt directory {dir} already exists; eyas never "
-                                  "writes into another attempt's directory") from None
+            raise FileExistsError(
+                errno.EEXIST,
+                f"attempt directory {dir} already exists; eyas never writes into another attempt's directory",
+            ) from None
         group = cls(run_id, stage, attempt_id, attempt, dir, world_size, devices, free_port())
         group.oom_before = oom.oom_kill_count()
         for r in range(world_size):
@@ -119,16 +132,26 @@ class Group(TPWorkers):
         if self.world_size == 1:
             return list(self.devices)
         per = max(1, len(self.devices) // self.world_size)
-        return self.devices[r * per:(r + 1) * per]
+        return self.devices[r * per : (r + 1) * per]
 
     def _start_rank(self, r: int, output_dir: Path, config_path: Path | None, extra: dict) -> Rank:
         env = dict(os.environ)
         env.update(
-            {contract.RANK: str(r), contract.WORLD_SIZE: str(self.world_size), contract.LOCAL_RANK: str(r),
-             contract.LOCAL_WORLD_SIZE: str(self.world_size), contract.MASTER_ADDR: "127.0.0.1",
-             contract.MASTER_PORT: str(self.master_port), contract.RUN_ID: str(self.run_id),
-             contract.STAGE: self.stage, contract.ATTEMPT: str(self.attempt), contract.ATTEMPT_DIR: str(self.dir),
-             contract.OUTPUT_DIR: str(output_dir), "PYTHONUNBUFFERED": "1"}, **extra,
+            {
+                contract.RANK: str(r),
+                contract.WORLD_SIZE: str(self.world_size),
+                contract.LOCAL_RANK: str(r),
+                contract.LOCAL_WORLD_SIZE: str(self.world_size),
+                contract.MASTER_ADDR: "127.0.0.1",
+                contract.MASTER_PORT: str(self.master_port),
+                contract.RUN_ID: str(self.run_id),
+                contract.STAGE: self.stage,
+                contract.ATTEMPT: str(self.attempt),
+                contract.ATTEMPT_DIR: str(self.dir),
+                contract.OUTPUT_DIR: str(output_dir),
+                "PYTHONUNBUFFERED": "1",
+            },
+            **extra,
         )
         if config_path:
             env[contract.CONFIG] = str(config_path)
@@ -139,13 +162,18 @@ class Group(TPWorkers):
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
         try:
             popen = subprocess.Popen(
-                specs.argv(sys.executable), stdin=subprocess.DEVNULL, stdout=fd, stderr=fd,
-                env=env, cwd=self.dir, start_new_session=True, close_fds=True,
+                specs.argv(sys.executable),
+                stdin=subprocess.DEVNULL,
+                stdout=fd,
+                stderr=fd,
+                env=env,
+                cwd=self.dir,
+                start_new_session=True,
+                close_fds=True,
             )
         finally:
             os.close(fd)
-        return Rank(r, log_path, popen.pid, create_time(popen.pid), popen,
-                    device=",".join(map(str, devs)) or None)
+        return Rank(r, log_path, popen.pid, create_time(popen.pid), popen, device=",".join(map(str, devs)) or None)
 
     # -- watch -------------------------------------------------------------------------
 
@@ -172,7 +200,7 @@ class Group(TPWorkers):
         if record is None:
             return None
         if not isinstance(record, dict):
-            record = {"pid": None, "time": None}     # nobody's: refused below, and logged
+            record = {"pid": None, "time": None}  # nobody's: refused below, and logged
         known = {p for p in pids if p}
         pid, written = record.get("pid"), record.get("time")
         why = None
@@ -191,8 +219,14 @@ class Group(TPWorkers):
         key = (name, pid, written)
         if key not in self.ignored:
             self.ignored.add(key)
-            log.warning("run %s: %s attempt %d: ignoring %s: %s (a leftover of another run or attempt)",
-                        self.run_id, self.stage, self.attempt, self.dir / name, why)
+            log.warning(
+                "run %s: %s attempt %d: ignoring %s: %s (a leftover of another run or attempt)",
+                self.run_id,
+                self.stage,
+                self.attempt,
+                self.dir / name,
+                why,
+            )
         return None
 
     def rank_error(self, rank: Rank, worker_pid: int | None = None) -> dict | None:
@@ -200,8 +234,9 @@ class Group(TPWorkers):
         which records a runtime that could not start). `worker_pid`: the pid the exit record
         names, where the proc file gave none."""
         worker = rank.pid or worker_pid
-        return self.own_record(contract.rank_file(rank.rank, contract.ERROR), {worker, rank.monitor_pid},
-                               pid_unknown=worker is None)
+        return self.own_record(
+            contract.rank_file(rank.rank, contract.ERROR), {worker, rank.monitor_pid}, pid_unknown=worker is None
+        )
 
     def rank_of(self, number: int) -> Rank:
         """A rank by its number: a driver rank, or a TP worker (world_size + tp_rank)."""
@@ -239,15 +274,28 @@ class Group(TPWorkers):
         error = self.rank_error(rank, (record or {}).get("pid"))
         now = time.time()
         if record is not None:
-            ex = RankExit(rank.rank, record.get("pid") or rank.pid, record.get("exit_code"),
-                          record.get("signal"), float(record.get("time") or now), error)
+            ex = RankExit(
+                rank.rank,
+                record.get("pid") or rank.pid,
+                record.get("exit_code"),
+                record.get("signal"),
+                float(record.get("time") or now),
+                error,
+            )
         elif monitor_rc is not None:
             # The monitor itself ended without a record: killed along with its worker.
             sig = -monitor_rc if monitor_rc < 0 else None
             ex = RankExit(rank.rank, rank.pid or rank.monitor_pid, None if sig else monitor_rc, sig, now, error)
         else:
-            ex = RankExit(rank.rank, rank.pid or rank.monitor_pid, None, None,
-                          float((error or {}).get("time") or now), error, lost=error is None)
+            ex = RankExit(
+                rank.rank,
+                rank.pid or rank.monitor_pid,
+                None,
+                None,
+                float((error or {}).get("time") or now),
+                error,
+                lost=error is None,
+            )
         if ex.signal == signal.SIGKILL and self.oom_before is not None:
             after = oom.oom_kill_count()
             ex.oom_killed = after is not None and after > self.oom_before
@@ -302,7 +350,7 @@ class Group(TPWorkers):
         pids = self.member_pids()
         for r in self.ranks:
             if not r.monitor_pid or r.monitor_pid <= 0:
-                continue    # killpg(0) would signal the daemon's own process group
+                continue  # killpg(0) would signal the daemon's own process group
             try:
                 os.killpg(r.monitor_pid, sig)
             except (ProcessLookupError, PermissionError):

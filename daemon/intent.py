@@ -46,8 +46,13 @@ def resume(core, group: Group, attempt: dict) -> None:
     group.cancel_reason = reason
     # Deaths before the stop are the ranks' own failures; from then on, the stop's doing.
     group.teardown_since = attempt.get("cancel_at") or time.time()
-    log.info("run %s: %s attempt %d: finishing the stop recorded before the restart (%s)",
-             group.run_id, group.stage, group.attempt, reason)
+    log.info(
+        "run %s: %s attempt %d: finishing the stop recorded before the restart (%s)",
+        group.run_id,
+        group.stage,
+        group.attempt,
+        reason,
+    )
     core._spawn_task(group.teardown(core.grace, reason))
 
 
@@ -56,12 +61,17 @@ def _resume_stuck(core, group: Group, stuck: dict) -> None:
     stacks already recorded, finish the teardown, whose deaths are the finding's doing; without
     them, collect them first, as the watchdog would have."""
     group.stuck = stuck
-    log.info("run %s: %s attempt %d: finishing the %s finding recorded before the restart",
-             group.run_id, group.stage, group.attempt, stuck["kind"])
+    log.info(
+        "run %s: %s attempt %d: finishing the %s finding recorded before the restart",
+        group.run_id,
+        group.stage,
+        group.attempt,
+        stuck["kind"],
+    )
     if "asked" in stuck:
         group.teardown_since = stuck["time"]
         core._spawn_task(group.teardown(core.grace, stuck["kind"]))
-    else:                                   # no "asked" yet: it counts as collecting
+    else:  # no "asked" yet: it counts as collecting
         core._spawn_task(watchdog.end(group, core.grace, core.record_stuck))
 
 

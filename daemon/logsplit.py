@@ -42,14 +42,16 @@ from pathlib import Path
 from eyas.state import contract, logcut
 
 _ANSI = rb"(?:\x1b\[[0-9;]*m)*"
-PREFIX = re.compile(_ANSI + rb"\((?P<name>[A-Za-z][\w.-]*(?: (?:rank=\d+|[A-Z]+\d+(?:_[A-Z]+\d+)*))?) pid=(?P<pid>\d+)\)")
+PREFIX = re.compile(
+    _ANSI + rb"\((?P<name>[A-Za-z][\w.-]*(?: (?:rank=\d+|[A-Z]+\d+(?:_[A-Z]+\d+)*))?) pid=(?P<pid>\d+)\)"
+)
 _TP_IN_NAME = re.compile(rb"(?:^|_| )TP(\d+)(?:_|$)")
 _RANK_IN_NAME = re.compile(rb"^VllmWorker(?:-| rank=)(\d+)$")
 # vLLM logs proc.exitcode, which is None when its monitor thread wakes before the process is
 # reaped: a death is then known, its status not.
 DIED = re.compile(rb"Worker proc VllmWorker-(\d+) died unexpectedly \(exit code: (-?\d+|None)\)")
 DRIVER = "driver"
-CHUNK = 8 << 20     # bytes read per pump: a flood is split over passes, never stalls the daemon
+CHUNK = 8 << 20  # bytes read per pump: a flood is split over passes, never stalls the daemon
 
 
 def route(line: bytes, tp_of_pid: Callable[[int], int | None]) -> int | str:
@@ -82,9 +84,9 @@ class LogSplitter:
         self.dir = self.source.parent
         self.state_path = Path(state_path)
         self.sizes: dict[str, int] = {}
-        self.died: dict[int, int | None] = {}   # TP rank -> exit code as vLLM reported it (None: unknown)
+        self.died: dict[int, int | None] = {}  # TP rank -> exit code as vLLM reported it (None: unknown)
         self.bounds: dict[str, logcut.Bound] = {}
-        self._cut: dict | None = None           # the raw log's bound (its cut.json), read once
+        self._cut: dict | None = None  # the raw log's bound (its cut.json), read once
         self.tail = logcut.Tail(self.source, self._load())
 
     @property
@@ -122,7 +124,7 @@ class LogSplitter:
             died += self._route(chunk, tp_of_pid)
             self._save()
             if not final:
-                break               # one chunk per pass
+                break  # one chunk per pass
         return died
 
     def _route(self, data: bytes, tp_of_pid) -> list[tuple[int, int | None]]:
@@ -145,7 +147,7 @@ class LogSplitter:
             self._bound(name, len(blob))
             with open(self.dir / name, "ab") as f:
                 f.write(blob)
-                self.sizes[name] = f.tell()     # the file's size, after a cut too
+                self.sizes[name] = f.tell()  # the file's size, after a cut too
         return died
 
     def _bound(self, name: str, coming: int) -> None:
@@ -154,17 +156,26 @@ class LogSplitter:
         is these files' only writer, so it cuts before it appends and keeps the newest lines."""
         bound = self.bounds.get(name)
         if bound is None:
-            if self._cut is None:   # the monitor wrote it at start, long before TP workers appear
+            if self._cut is None:  # the monitor wrote it at start, long before TP workers appear
                 self._cut = logcut.read_cut(self.source)
             if not self._cut.get("max_bytes"):
                 return
-            bound = self.bounds[name] = logcut.Bound(self.dir / name, self._cut["max_bytes"],
-                                                     self._cut.get("setting", ""))
+            bound = self.bounds[name] = logcut.Bound(
+                self.dir / name, self._cut["max_bytes"], self._cut.get("setting", "")
+            )
         bound.check(coming)
         bound.close()
 
     def _save(self) -> None:
         tmp = self.state_path.with_name(f".{self.state_path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"source": self.source.name, "offset": self.offset, "sizes": self.sizes,
-                                   "died": {str(k): v for k, v in self.died.items()}}))
+        tmp.write_text(
+            json.dumps(
+                {
+                    "source": self.source.name,
+                    "offset": self.offset,
+                    "sizes": self.sizes,
+                    "died": {str(k): v for k, v in self.died.items()},
+                }
+            )
+        )
         os.replace(tmp, self.state_path)

@@ -14,7 +14,7 @@ from eyas.wire.protocol import MAX_LOG_CHUNK
 
 class LogTail:
     def __init__(self, groups: dict, publish, wants):
-        self.groups = groups          # the core's live groups, by attempt id
+        self.groups = groups  # the core's live groups, by attempt id
         self.publish = publish
         self.wants = wants
         self.tails: dict[tuple[int, int], Tail] = {}
@@ -39,5 +39,13 @@ class LogTail:
         if tail is None:
             tail = self.tails[key] = Tail(rank.log_path, offset=None)
         while chunk := tail.read(limit=MAX_LOG_CHUNK):
-            self.publish("log", {"run_id": group.run_id, "stage": group.stage, "attempt": group.attempt,
-                                 "rank": rank.rank, "text": chunk.decode("utf-8", "replace")})
+            self.publish(
+                "log",
+                {
+                    "run_id": group.run_id,
+                    "stage": group.stage,
+                    "attempt": group.attempt,
+                    "rank": rank.rank,
+                    "text": chunk.decode("utf-8", "replace"),
+                },
+            )

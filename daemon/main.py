@@ -98,8 +98,13 @@ async def serve(home: Path, grace: float) -> None:
     serving()  # a daemon that cannot write its state directory does not start
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        loop.add_signal_handler(sig, lambda s=sig: (log.info("received %s: stopping", signal.Signals(s).name),
-                                                     core._spawn_task(core.shutdown())))
+        loop.add_signal_handler(
+            sig,
+            lambda s=sig: (
+                log.info("received %s: stopping", signal.Signals(s).name),
+                core._spawn_task(core.shutdown()),
+            ),
+        )
 
     async def pump_logs():
         while True:
@@ -123,8 +128,13 @@ async def serve(home: Path, grace: float) -> None:
                 await server.rebind(paths.socket_path(home))
             except Exception as exc:  # noqa: BLE001 - this task must outlive any one failure
                 if str(exc) != failed:
-                    log.error("socket %s %s, and binding it again failed: %s; retrying every %.0f s",
-                              old, why, exc, SOCKET_CHECK_S)
+                    log.error(
+                        "socket %s %s, and binding it again failed: %s; retrying every %.0f s",
+                        old,
+                        why,
+                        exc,
+                        SOCKET_CHECK_S,
+                    )
                 failed = str(exc)
                 continue
             failed = None
@@ -132,8 +142,11 @@ async def serve(home: Path, grace: float) -> None:
             try:
                 serving()
             except OSError:
-                log.exception("could not record the new socket in %s; clients that compute "
-                              "another path will not find this daemon", paths.record_path(home))
+                log.exception(
+                    "could not record the new socket in %s; clients that compute "
+                    "another path will not find this daemon",
+                    paths.record_path(home),
+                )
 
     pump = loop.create_task(pump_logs())
     watch = loop.create_task(keep_reachable())

@@ -29,12 +29,37 @@ class Metrics:
         for g in groups:
             # A TP worker is measured as its own rank, so its tree is kept out of its driver's.
             tp_pids = frozenset(w.pid for w in g.workers.values() if w.pid)
-            refs += [RankRef(g.run_id, g.stage, g.attempt, g.attempt_id, r.rank, r.monitor_pid, r.monitor_create_time,
-                             g.dir / contract.rank_file(r.rank, contract.PROGRESS), g.metrics_since, exclude=tp_pids)
-                     for r in g.ranks if final or r.exit is None]
-            refs += [RankRef(g.run_id, g.stage, g.attempt, g.attempt_id, w.rank, w.pid, w.create_time,
-                             g.dir / contract.tp_file(k, contract.PROGRESS), g.metrics_since)
-                     for k, w in sorted(g.workers.items()) if final or _running(w)]
+            refs += [
+                RankRef(
+                    g.run_id,
+                    g.stage,
+                    g.attempt,
+                    g.attempt_id,
+                    r.rank,
+                    r.monitor_pid,
+                    r.monitor_create_time,
+                    g.dir / contract.rank_file(r.rank, contract.PROGRESS),
+                    g.metrics_since,
+                    exclude=tp_pids,
+                )
+                for r in g.ranks
+                if final or r.exit is None
+            ]
+            refs += [
+                RankRef(
+                    g.run_id,
+                    g.stage,
+                    g.attempt,
+                    g.attempt_id,
+                    w.rank,
+                    w.pid,
+                    w.create_time,
+                    g.dir / contract.tp_file(k, contract.PROGRESS),
+                    g.metrics_since,
+                )
+                for k, w in sorted(g.workers.items())
+                if final or _running(w)
+            ]
         if not refs:
             return
         result = self.sampler.sample(refs, now)
@@ -44,15 +69,22 @@ class Metrics:
                 group.seen.update(pids)
         attempt_of = {(g.run_id, g.stage): g.attempt_id for g in groups}
         self.stage_live.update(result.stages)
-        self._queue_metrics(result.metrics, result.ranks,
-                            {attempt_of[key]: key for key in result.stages})
+        self._queue_metrics(result.metrics, result.ranks, {attempt_of[key]: key for key in result.stages})
         by_group: dict[tuple, list] = {}
         for row in result.metrics:
             if row["run_id"] is not None:
                 by_group.setdefault((row["run_id"], row["stage"], row["attempt"]), []).append(row)
         for (run_id, stage, attempt), rows in by_group.items():
-            self.publish("metric", {"run_id": run_id, "stage": stage, "attempt": attempt, "samples": rows,
-                                    "live": self.stage_live.get((run_id, stage))})
+            self.publish(
+                "metric",
+                {
+                    "run_id": run_id,
+                    "stage": stage,
+                    "attempt": attempt,
+                    "samples": rows,
+                    "live": self.stage_live.get((run_id, stage)),
+                },
+            )
 
     def _queue_metrics(self, rows: list[dict], ranks: dict, stages: dict) -> None:
         """Hand a sample to the store thread. Samples taken while a write waits (a held lock)
@@ -72,7 +104,7 @@ class Metrics:
             taken: list[dict] = []
 
             def write(db):
-                if not taken:           # once: a try that met the lock keeps what it took
+                if not taken:  # once: a try that met the lock keeps what it took
                     with self._metrics_lock:
                         taken.append(self._metrics_buf)
                         self._metrics_buf = None

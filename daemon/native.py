@@ -49,8 +49,15 @@ async def dump(pid: int, timeout: float = TIMEOUT) -> dict:
         return {"native_skipped": "py-spy is not installed (pip install py-spy)"}
     try:
         proc = await asyncio.create_subprocess_exec(
-            exe, "dump", "--native", "--pid", str(pid),
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            exe,
+            "dump",
+            "--native",
+            "--pid",
+            str(pid),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
     except OSError as exc:
         return {"native_skipped": f"cannot run {exe}: {exc.strerror or exc}"}
     try:

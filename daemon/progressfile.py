@@ -59,8 +59,7 @@ class ProgressReader:
         self.tail.close()
 
 
-def read_new(path: str | os.PathLike[str], offset: int, max_bytes: int = MAX_BYTES
-             ) -> tuple[list[dict], int, int]:
+def read_new(path: str | os.PathLike[str], offset: int, max_bytes: int = MAX_BYTES) -> tuple[list[dict], int, int]:
     """Records (JSON objects) from complete lines after `offset`, once: (records, new_offset, bad).
 
     A missing file gives ([], offset, 0); a file shorter than `offset` was truncated or

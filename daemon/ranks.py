@@ -60,13 +60,18 @@ class RankExit:
     error: dict | None = None
     oom_killed: bool = False
     lost: bool = False
-    unexpected: bool = False        # a TP worker whose death vLLM called unexpected
-    tp_rank: int | None = None      # set for a TP worker
+    unexpected: bool = False  # a TP worker whose death vLLM called unexpected
+    tp_rank: int | None = None  # set for a TP worker
 
     @property
     def failed(self) -> bool:
-        return (self.lost or self.unexpected or self.signal is not None or (self.exit_code or 0) != 0
-                or self.error is not None)
+        return (
+            self.lost
+            or self.unexpected
+            or self.signal is not None
+            or (self.exit_code or 0) != 0
+            or self.error is not None
+        )
 
     @property
     def signal_name(self) -> str | None:
@@ -84,12 +89,12 @@ class Rank:
     log_path: Path
     monitor_pid: int
     monitor_create_time: float | None
-    popen: subprocess.Popen | None = None   # None when adopted by a restarted daemon
-    pid: int | None = None                  # the worker, from rank-<r>.proc.json
+    popen: subprocess.Popen | None = None  # None when adopted by a restarted daemon
+    pid: int | None = None  # the worker, from rank-<r>.proc.json
     create_time: float | None = None
     device: str | None = None
     exit: RankExit | None = None
-    role: str | None = None                 # "driver", "tp-worker"; None for a plain rank
+    role: str | None = None  # "driver", "tp-worker"; None for a plain rank
     tp_rank: int | None = None
     started_at: float | None = None
-    ended_at: float | None = None           # a TP worker's end, as its pidfd said it
+    ended_at: float | None = None  # a TP worker's end, as its pidfd said it

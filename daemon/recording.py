@@ -23,10 +23,17 @@ class Recording:
     """Store access and state events for the daemon's Core (daemon/core.py holds the state it uses)."""
 
     def _emit_state(self, run_id: int, entity: str, new: str, reason: str, stage=None, attempt=None) -> None:
-        event = {"run_id": run_id, "stage": stage, "attempt": attempt, "entity": entity,
-                 "to_state": new, "reason": reason, "time": time.time()}
+        event = {
+            "run_id": run_id,
+            "stage": stage,
+            "attempt": attempt,
+            "entity": entity,
+            "to_state": new,
+            "reason": reason,
+            "time": time.time(),
+        }
         held = getattr(self._local, "held", None)
-        if held is not None:        # inside a store job: announced once it has committed
+        if held is not None:  # inside a store job: announced once it has committed
             held.append(event)
         else:
             self.publish("state", event)
@@ -39,12 +46,14 @@ class Recording:
     def _job(self, fn):
         """`fn(db)` as a store job that also returns the state events it emitted, so that they
         go out to the subscribers only once it committed, never for a rolled-back change."""
+
         def run(db):
             self._local.held = []
             try:
                 return fn(db), self._local.held
             finally:
                 self._local.held = None
+
         return run
 
     def _announce(self, events: list[dict]) -> None:
@@ -73,6 +82,7 @@ class Recording:
                 result, events = f.result()
                 self._announce(events)
                 outer.set_result(result)
+
         inner.add_done_callback(finished)
         return outer
 
@@ -90,16 +100,28 @@ class Recording:
                 self.disk.mark(what, exc)
             else:
                 log.error("%s failed", what, exc_info=exc)
+
         future.add_done_callback(finished)
         return future
 
     def _store_changed(self, busy) -> None:
         """A daemon-wide state event (no run): another process holds the database locked, or released it."""
         status = self.store.status()
-        self.publish("state", {"run_id": None, "stage": None, "attempt": None, "entity": "store",
-                               "to_state": "busy" if busy else "ok", "busy": status,
-                               "reason": (f"store busy: waiting for a lock on eyas.db ({busy.what})" if busy
-                                          else "the store is free again"), "time": time.time()})
+        self.publish(
+            "state",
+            {
+                "run_id": None,
+                "stage": None,
+                "attempt": None,
+                "entity": "store",
+                "to_state": "busy" if busy else "ok",
+                "busy": status,
+                "reason": (
+                    f"store busy: waiting for a lock on eyas.db ({busy.what})" if busy else "the store is free again"
+                ),
+                "time": time.time(),
+            },
+        )
         if busy is None:
             self.poke()
 
@@ -113,7 +135,16 @@ class Recording:
 
     def _disk_changed(self, full: dict | None) -> None:
         """A daemon-wide state event (no run): the state directory became full, or has space again."""
-        self.publish("state", {"run_id": None, "stage": None, "attempt": None, "entity": "daemon",
-                               "to_state": "full" if full else "ok", "full": full,
-                               "reason": full["what"] if full else "the state directory has space again",
-                               "time": time.time()})
+        self.publish(
+            "state",
+            {
+                "run_id": None,
+                "stage": None,
+                "attempt": None,
+                "entity": "daemon",
+                "to_state": "full" if full else "ok",
+                "full": full,
+                "reason": full["what"] if full else "the state directory has space again",
+                "time": time.time(),
+            },
+        )

@@ -35,8 +35,10 @@ class Recovery:
         found = []
         for a in db["attempts"].rows_where("state = 'running'"):
             rows = {r["rank"]: r for r in db["ranks"].rows_where("attempt_id = ?", [a["id"]])}
-            since = db.execute("SELECT max(time) FROM metrics WHERE run_id = ? AND stage = ? AND attempt = ?",
-                               [a["run_id"], a["stage"], a["number"]]).fetchone()[0]
+            since = db.execute(
+                "SELECT max(time) FROM metrics WHERE run_id = ? AND stage = ? AND attempt = ?",
+                [a["run_id"], a["stage"], a["number"]],
+            ).fetchone()[0]
             run = db["runs"].get(a["run_id"])
             found.append((a, rows, since, json.loads(run["config_json"] or "{}"), run))
         return found
@@ -50,27 +52,48 @@ class Recovery:
         """
         for a, rows, since, cfg, run in await self.write(self._running_attempts, "reading the attempts to re-adopt"):
             attempt_dir = Path(a["dir"])
-            group = Group(a["run_id"], a["stage"], a["id"], a["number"], attempt_dir, a["world_size"],
-                          json.loads(a["devices"] or "[]"), a["master_port"] or 0,
-                          started_at=a["started_at"] or time.time())
+            group = Group(
+                a["run_id"],
+                a["stage"],
+                a["id"],
+                a["number"],
+                attempt_dir,
+                a["world_size"],
+                json.loads(a["devices"] or "[]"),
+                a["master_port"] or 0,
+                started_at=a["started_at"] or time.time(),
+            )
             unstarted, found_later = [], []
             for r in range(a["world_size"]):
                 row = rows.get(r) or {}
                 proc = read_json(attempt_dir / contract.rank_file(r, contract.PROC)) or {}
                 if not row and not proc and not (attempt_dir / contract.rank_file(r, contract.LOG)).exists():
-                    unstarted.append(r)     # the log is made just before the process: never begun
+                    unstarted.append(r)  # the log is made just before the process: never begun
                 mpid = row.get("monitor_pid") or proc.get("monitor_pid")
                 mct = row.get("monitor_create_time") or proc.get("monitor_create_time")
                 if not mpid and (found := intent.find_monitor(group, r)) is not None:
                     mpid, mct = found
                 if mpid and not row.get("monitor_pid"):
-                    found_later.append((r, mpid, mct))      # its row was never written: now it is
-                rank = Rank(r, attempt_dir / contract.rank_file(r, contract.LOG), mpid or 0, mct, None,
-                            row.get("pid") or proc.get("pid"), row.get("create_time") or proc.get("create_time"),
-                            row.get("device"))
+                    found_later.append((r, mpid, mct))  # its row was never written: now it is
+                rank = Rank(
+                    r,
+                    attempt_dir / contract.rank_file(r, contract.LOG),
+                    mpid or 0,
+                    mct,
+                    None,
+                    row.get("pid") or proc.get("pid"),
+                    row.get("create_time") or proc.get("create_time"),
+                    row.get("device"),
+                )
                 if row.get("state") in ("exited", "failed", "killed"):
-                    rank.exit = RankExit(r, rank.pid, row.get("exit_code"), row.get("signal"),
-                                         row.get("ended_at") or time.time(), group.rank_error(rank))
+                    rank.exit = RankExit(
+                        r,
+                        rank.pid,
+                        row.get("exit_code"),
+                        row.get("signal"),
+                        row.get("ended_at") or time.time(),
+                        group.rank_error(rank),
+                    )
                 rank.role = row.get("role")
                 group.ranks.append(rank)
             self._recover_workers(group, rows.values())
@@ -79,14 +102,20 @@ class Recovery:
             group.metrics_since = since
             set_bounds(group, cfg)
             if found_later:
-                self.write_later(lambda db, a=a["id"], found=found_later: [
-                    store.upsert_rank(db, a, r, monitor_pid=mpid, monitor_create_time=mct, host=self.host)
-                    for r, mpid, mct in found], f"recording the re-adopted ranks of run {a['run_id']}")
+                self.write_later(
+                    lambda db, a=a["id"], found=found_later: [
+                        store.upsert_rank(db, a, r, monitor_pid=mpid, monitor_create_time=mct, host=self.host)
+                        for r, mpid, mct in found
+                    ],
+                    f"recording the re-adopted ranks of run {a['run_id']}",
+                )
             if unstarted and a.get("cancel_reason") is None and not a.get("stuck_json"):
                 self._finish_spawn(group, unstarted, run, cfg)
             self.groups[a["id"]] = group
             intent.resume(self, group, a)
-            log.info("re-adopted run %s %s attempt %s (%s ranks)", a["run_id"], a["stage"], a["number"], a["world_size"])
+            log.info(
+                "re-adopted run %s %s attempt %s (%s ranks)", a["run_id"], a["stage"], a["number"], a["world_size"]
+            )
 
     def _finish_spawn(self, group: Group, unstarted: list[int], run: dict, cfg: dict) -> None:
         """The last daemon died while starting this attempt's ranks (after recording the
@@ -107,21 +136,46 @@ class Recovery:
             for r in unstarted:
                 group.ranks[r] = group._start_rank(r, output_dir, run_dir / "config.json", env)
         except OSError:
-            log.exception("run %s: %s attempt %d: could not finish starting its ranks", group.run_id,
-                          group.stage, group.attempt)
+            log.exception(
+                "run %s: %s attempt %d: could not finish starting its ranks", group.run_id, group.stage, group.attempt
+            )
             return
-        log.warning("run %s: %s attempt %d: the last daemon died while starting its ranks; started rank%s %s "
-                    "now (port %d)", group.run_id, group.stage, group.attempt, "" if len(unstarted) == 1 else "s",
-                    ", ".join(map(str, unstarted)), port)
+        log.warning(
+            "run %s: %s attempt %d: the last daemon died while starting its ranks; started rank%s %s now (port %d)",
+            group.run_id,
+            group.stage,
+            group.attempt,
+            "" if len(unstarted) == 1 else "s",
+            ", ".join(map(str, unstarted)),
+            port,
+        )
         now = time.time()
-        ranks = [(group.ranks[r].rank, group.ranks[r].monitor_pid, group.ranks[r].monitor_create_time,
-                  group.ranks[r].device, str(group.ranks[r].log_path)) for r in unstarted]
+        ranks = [
+            (
+                group.ranks[r].rank,
+                group.ranks[r].monitor_pid,
+                group.ranks[r].monitor_create_time,
+                group.ranks[r].device,
+                str(group.ranks[r].log_path),
+            )
+            for r in unstarted
+        ]
 
         def record(db):
             db["attempts"].update(group.attempt_id, {"master_port": port})
             for rank, mpid, mct, device, log_path in ranks:
-                store.upsert_rank(db, group.attempt_id, rank, monitor_pid=mpid, monitor_create_time=mct,
-                                  host=self.host, device=device, state="running", started_at=now, log_path=log_path)
+                store.upsert_rank(
+                    db,
+                    group.attempt_id,
+                    rank,
+                    monitor_pid=mpid,
+                    monitor_create_time=mct,
+                    host=self.host,
+                    device=device,
+                    state="running",
+                    started_at=now,
+                    log_path=log_path,
+                )
 
         self.write_later(record, f"recording the ranks started for run {group.run_id} {group.stage}")
 
@@ -133,10 +187,15 @@ class Recovery:
         known = {paths.run_dir(row, self.home).resolve() for row in rows}
         unknown = sorted(i for i, path in paths.folder_ids(self.home).items() if path.resolve() not in known)
         if unknown:
-            log.warning("%s holds %d run folder%s that the database does not know (ids %s): written before "
-                        "the database was deleted or restored from a backup; they are left alone, and new "
-                        "runs get ids above them", paths.runs_dir(self.home), len(unknown),
-                        "" if len(unknown) == 1 else "s", _id_ranges(unknown))
+            log.warning(
+                "%s holds %d run folder%s that the database does not know (ids %s): written before "
+                "the database was deleted or restored from a backup; they are left alone, and new "
+                "runs get ids above them",
+                paths.runs_dir(self.home),
+                len(unknown),
+                "" if len(unknown) == 1 else "s",
+                _id_ranges(unknown),
+            )
 
     @staticmethod
     def _recover_workers(group: Group, rows) -> None:
@@ -147,13 +206,30 @@ class Recovery:
             k = row["tp_rank"]
             parent = row.get("parent_rank") or 0
             driver = group.ranks[parent] if 0 <= parent < len(group.ranks) else None
-            w = Rank(row["rank"], group.dir / contract.tp_file(k, contract.LOG), driver.monitor_pid if driver else 0,
-                     driver.monitor_create_time if driver else None, None, row.get("pid"), row.get("create_time"),
-                     row.get("device"), role="tp-worker", tp_rank=k, started_at=row.get("started_at"))
+            w = Rank(
+                row["rank"],
+                group.dir / contract.tp_file(k, contract.LOG),
+                driver.monitor_pid if driver else 0,
+                driver.monitor_create_time if driver else None,
+                None,
+                row.get("pid"),
+                row.get("create_time"),
+                row.get("device"),
+                role="tp-worker",
+                tp_rank=k,
+                started_at=row.get("started_at"),
+            )
             if row.get("state") in ("exited", "failed", "killed"):
-                w.exit = RankExit(row["rank"], w.pid, row.get("exit_code"), row.get("signal"),
-                                  row.get("ended_at") or time.time(), group.tp_error(w),
-                                  unexpected=row.get("state") == "failed", tp_rank=k)
+                w.exit = RankExit(
+                    row["rank"],
+                    w.pid,
+                    row.get("exit_code"),
+                    row.get("signal"),
+                    row.get("ended_at") or time.time(),
+                    group.tp_error(w),
+                    unexpected=row.get("state") == "failed",
+                    tp_rank=k,
+                )
             group.workers[k] = w
         if group.workers and group.ranks:
             driver = group.ranks[0]

@@ -39,8 +39,8 @@ class RankRef:
 
     run_id: int
     stage: str
-    attempt: int          # the attempt's number within the stage
-    attempt_id: int       # the attempts table's id
+    attempt: int  # the attempt's number within the stage
+    attempt_id: int  # the attempts table's id
     rank: int
     root_pid: int | None  # the rank's monitor process (session leader); None before it starts
     root_create_time: float | None  # psutil create_time of root_pid: guards against pid reuse
@@ -179,23 +179,41 @@ class Sampler:
             res.gpus = self.gpu.devices()
             gpu_mem = self.gpu.process_gpu_memory()
             for d in res.gpus:
-                for name, value in (("mem_used", d["mem_used"]), ("mem_total", d["mem_total"]),
-                                    ("util", d["util_gpu"])):
+                for name, value in (
+                    ("mem_used", d["mem_used"]),
+                    ("mem_total", d["mem_total"]),
+                    ("util", d["util_gpu"]),
+                ):
                     if value is not None:
-                        res.metrics.append({"time": now, "run_id": None, "stage": None, "attempt": None,
-                                            "rank": None, "name": f"gpu{d['index']}.{name}",
-                                            "value": float(value)})
+                        res.metrics.append(
+                            {
+                                "time": now,
+                                "run_id": None,
+                                "stage": None,
+                                "attempt": None,
+                                "rank": None,
+                                "name": f"gpu{d['index']}.{name}",
+                                "value": float(value),
+                            }
+                        )
 
-        children = _children_map() if any(r.root_pid or self._trees.get((r.attempt_id, r.rank))
-                                           for r in ranks) else {}
+        children = _children_map() if any(r.root_pid or self._trees.get((r.attempt_id, r.rank)) for r in ranks) else {}
         per_stage: dict[tuple[int, str], list[tuple[RankRef, _Progress | None]]] = defaultdict(list)
         for ref in ranks:
             key = (ref.attempt_id, ref.rank)
 
             def row(name: str, value: float, t: float = now, ref: RankRef = ref) -> None:
-                res.metrics.append({"time": t, "run_id": ref.run_id, "stage": ref.stage,
-                                    "attempt": ref.attempt, "rank": ref.rank, "name": name,
-                                    "value": float(value)})
+                res.metrics.append(
+                    {
+                        "time": t,
+                        "run_id": ref.run_id,
+                        "stage": ref.stage,
+                        "attempt": ref.attempt,
+                        "rank": ref.rank,
+                        "name": name,
+                        "value": float(value),
+                    }
+                )
 
             roll: dict[str, float] = {}
             procs = self._tree(ref, key, children, ref.exclude)
@@ -231,8 +249,9 @@ class Sampler:
             self._stage(skey, members, now, res)
         return res
 
-    def _tree(self, ref: RankRef, key: Key, children: dict[int, list[int]],
-              exclude: frozenset[int] = frozenset()) -> dict[int, psutil.Process]:
+    def _tree(
+        self, ref: RankRef, key: Key, children: dict[int, list[int]], exclude: frozenset[int] = frozenset()
+    ) -> dict[int, psutil.Process]:
         """The rank's live processes: its verified root, everything below it, and known orphans
         (less the `exclude`d subtrees)."""
         known = self._trees.setdefault(key, {})
@@ -309,8 +328,7 @@ class Sampler:
             prog.reset()
         if bad:
             if not prog.bad:
-                self.log.warning("progress file %s: corrupt line skipped (the rank writes bad JSON)",
-                                 prog.path)
+                self.log.warning("progress file %s: corrupt line skipped (the rank writes bad JSON)", prog.path)
             prog.bad += bad
         for rec in records:
             t = _number(rec.get("time"))
@@ -334,8 +352,9 @@ class Sampler:
                 prog.samples.add(t, samples)
         return prog
 
-    def _stage(self, skey: tuple[int, str], members: list[tuple[RankRef, _Progress | None]],
-               now: float, res: SampleResult) -> None:
+    def _stage(
+        self, skey: tuple[int, str], members: list[tuple[RankRef, _Progress | None]], now: float, res: SampleResult
+    ) -> None:
         out: dict[str, float] = {}
         peaks = [self._peak[(r.attempt_id, r.rank)] for r, _ in members if (r.attempt_id, r.rank) in self._peak]
         if peaks:
@@ -348,8 +367,11 @@ class Sampler:
 
         def rate_and_left(unit: str) -> tuple[float | None, float | None]:
             rates = [r for r in (getattr(p, unit).rate(now) for p in progs) if r is not None]
-            left = [p.counts[f"{unit}_total"] - p.counts[unit] for p in progs
-                    if unit in p.counts and f"{unit}_total" in p.counts]
+            left = [
+                p.counts[f"{unit}_total"] - p.counts[unit]
+                for p in progs
+                if unit in p.counts and f"{unit}_total" in p.counts
+            ]
             return (sum(rates) if rates else None), (max(sum(left), 0.0) if left else None)
 
         tok_rate, tok_left = rate_and_left("tokens")
@@ -371,5 +393,14 @@ class Sampler:
         attempt = max(r.attempt for r, _ in members)
         for name in ("tok_s", "eta_s", "progress"):
             if name in out:
-                res.metrics.append({"time": now, "run_id": skey[0], "stage": skey[1], "attempt": attempt,
-                                    "rank": None, "name": name, "value": out[name]})
+                res.metrics.append(
+                    {
+                        "time": now,
+                        "run_id": skey[0],
+                        "stage": skey[1],
+                        "attempt": attempt,
+                        "rank": None,
+                        "name": name,
+                        "value": out[name],
+                    }
+                )

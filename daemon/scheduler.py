@@ -46,8 +46,9 @@ class Scheduler:
     def _held_devices(self) -> dict[int, int]:
         return {d: g.run_id for g in self.groups.values() for d in g.devices}
 
-    def _devices_for(self, cfg: dict, stage: str, world_size: int,
-                     held: dict[int, int] | None = None) -> list[int] | None:
+    def _devices_for(
+        self, cfg: dict, stage: str, world_size: int, held: dict[int, int] | None = None
+    ) -> list[int] | None:
         """The GPUs a stage needs, or None when they are busy. [] means CPU only."""
         wanted = cfg.get("resources", {}).get("devices", "auto")
         held = self._held_devices() if held is None else held
@@ -62,7 +63,7 @@ class Scheduler:
         per_rank = 1
         if stage == "extract" and extract.get("backend") == "vllm":
             per_rank = extract.get("tensor_parallel_size", 1)
-        elif stage == "evaluate":       # vLLM at the run's TP size, target and draft on every GPU
+        elif stage == "evaluate":  # vLLM at the run's TP size, target and draft on every GPU
             per_rank = (cfg.get("evaluate") or {}).get("tensor_parallel_size") or extract.get("tensor_parallel_size", 1)
         need = world_size * per_rank
         free = [d for d in range(count) if d not in held]
@@ -161,28 +162,40 @@ class Scheduler:
             self._move_run(run_id, "running", f"starting {stage}")
         if s["state"] == "pending":
             self._move_stage(run_id, stage, "running", "started")
-        attempt_id, number = store.new_attempt(db, run_id, stage, dir=str(attempt_dir),
-                                               world_size=world_size, devices=devices)
+        attempt_id, number = store.new_attempt(
+            db, run_id, stage, dir=str(attempt_dir), world_size=world_size, devices=devices
+        )
         return _Start(run_id, stage, cfg, attempt_id, number, attempt_dir, world_size, devices, output_dir, run_dir)
 
     def _spawn_attempt(self, st: _Start) -> None:
         """Start the ranks of an attempt whose start is recorded, and record them."""
         run_id, stage, attempt_id, number = st.run_id, st.stage, st.attempt_id, st.number
         try:
-            group = Group.spawn(run_id=run_id, stage=stage, attempt_id=attempt_id, attempt=number,
-                                dir=st.attempt_dir, world_size=st.world_size, devices=st.devices,
-                                output_dir=st.output_dir,
-                                config_path=st.run_dir / "config.json",
-                                # Each rank's monitor bounds its log by this (state/logcut.py).
-                                extra_env={contract.LOG_MAX_MB: f"{log_max_mb(st.cfg, stage):g}"})
+            group = Group.spawn(
+                run_id=run_id,
+                stage=stage,
+                attempt_id=attempt_id,
+                attempt=number,
+                dir=st.attempt_dir,
+                world_size=st.world_size,
+                devices=st.devices,
+                output_dir=st.output_dir,
+                config_path=st.run_dir / "config.json",
+                # Each rank's monitor bounds its log by this (state/logcut.py).
+                extra_env={contract.LOG_MAX_MB: f"{log_max_mb(st.cfg, stage):g}"},
+            )
         except OSError as exc:
             # The daemon could not even start the processes: that is the root cause. (Read
             # here: `exc` is unbound once the except clause ends, before the job runs.)
             now, kind, text = time.time(), type(exc).__name__, str(exc)
 
             def failed(db):
-                store.record_error(db, attempt_id, root_cause=True, **contract.ErrorRecord(
-                    type=kind, message=text, traceback="", time=now, source="spawn").fields())
+                store.record_error(
+                    db,
+                    attempt_id,
+                    root_cause=True,
+                    **contract.ErrorRecord(type=kind, message=text, traceback="", time=now, source="spawn").fields(),
+                )
                 store.move_attempt(db, attempt_id, "failed", f"could not start ranks: {text}", now=now)
                 self._move_stage(run_id, stage, "failed", f"could not start ranks: {text}", now=now)
 
@@ -198,10 +211,26 @@ class Scheduler:
         def record(db):
             db["attempts"].update(attempt_id, {"master_port": group.master_port})
             for rank, mpid, mct, device, log_path in ranks:
-                store.upsert_rank(db, attempt_id, rank, monitor_pid=mpid, monitor_create_time=mct, host=self.host,
-                                  device=device, state="running", started_at=now, log_path=log_path)
+                store.upsert_rank(
+                    db,
+                    attempt_id,
+                    rank,
+                    monitor_pid=mpid,
+                    monitor_create_time=mct,
+                    host=self.host,
+                    device=device,
+                    state="running",
+                    started_at=now,
+                    log_path=log_path,
+                )
 
         self.write_later(record, f"recording the ranks of run {run_id} {stage} attempt {number}")
         self._emit_state(run_id, "attempt", "running", f"attempt {number} started", stage=stage, attempt=number)
-        log.info("run %s: %s attempt %s started with %s ranks (devices %s)", run_id, stage, number,
-                 st.world_size, st.devices or "cpu")
+        log.info(
+            "run %s: %s attempt %s started with %s ranks (devices %s)",
+            run_id,
+            stage,
+            number,
+            st.world_size,
+            st.devices or "cpu",
+        )

@@ -32,8 +32,9 @@ class DaemonAlreadyRunning(RuntimeError):
 class Server:
     """Serve `handler` on the unix socket `path`; publish events to subscribers."""
 
-    def __init__(self, path: Path, handler: Handler, log: logging.Logger | None = None,
-                 max_queue_bytes: int = 64 << 20):
+    def __init__(
+        self, path: Path, handler: Handler, log: logging.Logger | None = None, max_queue_bytes: int = 64 << 20
+    ):
         self.path = Path(path)
         self.handler = handler
         self.log = log or logging.getLogger("eyas.daemon.server")
@@ -110,8 +111,9 @@ class Server:
         except (TimeoutError, BlockingIOError):
             raise DaemonAlreadyRunning(path) from None  # alive but its backlog is full
         else:
-            pid, _, _ = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                             struct.calcsize("3i")))
+            pid, _, _ = struct.unpack(
+                "3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            )
             raise DaemonAlreadyRunning(path, pid)
         finally:
             probe.close()
@@ -169,15 +171,19 @@ class Server:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
         try:
-            pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                struct.calcsize("3i")))
+            pid, uid, gid = struct.unpack(
+                "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            )
         except OSError:
             writer.close()
             return
         if uid != os.getuid():
             self.log.warning("refused a connection from pid %s uid %s", pid, uid)
-            reply = protocol.error_reply(None, protocol.FORBIDDEN, f"eyas daemon: uid {uid} may not use this daemon; "
-                                         f"it belongs to uid {os.getuid()}")
+            reply = protocol.error_reply(
+                None,
+                protocol.FORBIDDEN,
+                f"eyas daemon: uid {uid} may not use this daemon; it belongs to uid {os.getuid()}",
+            )
             try:
                 writer.write(reply.encode())
                 await asyncio.wait_for(writer.drain(), 5)

@@ -34,11 +34,11 @@ log = logging.getLogger("eyas.daemon.settle")
 class Account:
     """What a group's end was, read once: error records (root cause first), and whose."""
 
-    records: list[tuple[RankExit | None, ErrorRecord]]     # (whose, error record); None: the watchdog's
-    exits: list[RankExit]           # every member's exit, recorded again with the settlement
+    records: list[tuple[RankExit | None, ErrorRecord]]  # (whose, error record); None: the watchdog's
+    exits: list[RankExit]  # every member's exit, recorded again with the settlement
     summary_json: str | None
-    ended_at: float                 # when the last member was seen to end
-    exit_fields: list                # (exit, its ranks row), as the settlement writes them
+    ended_at: float  # when the last member was seen to end
+    exit_fields: list  # (exit, its ranks row), as the settlement writes them
 
 
 def describe(core, group: Group) -> Account:
@@ -51,8 +51,13 @@ def describe(core, group: Group) -> Account:
     summary = read_json(group.dir / contract.SUMMARY)
     exits = [r.exit for r in group.ranks if r.exit is not None] + workers
     ended_at = max((ex.time for ex in exits if ex.time), default=time.time())
-    return Account(records, exits, json.dumps(summary) if summary is not None else None, ended_at,
-                   [(ex, core._exit_fields(group, ex)) for ex in exits])
+    return Account(
+        records,
+        exits,
+        json.dumps(summary) if summary is not None else None,
+        ended_at,
+        [(ex, core._exit_fields(group, ex)) for ex in exits],
+    )
 
 
 def record(core, db, group: Group, account: Account, records: list[ErrorRecord]) -> None:
@@ -79,8 +84,13 @@ def record(core, db, group: Group, account: Account, records: list[ErrorRecord])
                 backoff = core._backoff(db, run_id, stage) * (2 ** (n - 1))
                 # Due from the real end: a write that waited out a lock does not push it back.
                 store.schedule_restart(db, run_id, stage, n, end + backoff)
-                core._emit_state(run_id, "stage", "running",
-                                 f"restart {n} of {srow['max_restarts']} in {backoff:.1f}s after {why}", stage=stage)
+                core._emit_state(
+                    run_id,
+                    "stage",
+                    "running",
+                    f"restart {n} of {srow['max_restarts']} in {backoff:.1f}s after {why}",
+                    stage=stage,
+                )
                 return
             core._move_stage(run_id, stage, "failed", why, summary_json=account.summary_json, now=end)
             core._finish_run(db, run_id, "failed", f"{stage}: {why}", now=end)
@@ -90,8 +100,9 @@ def record(core, db, group: Group, account: Account, records: list[ErrorRecord])
             core._finish_run(db, run_id, "cancelled", f"{stage}: {cancel}", now=end)
         else:
             store.move_attempt(db, group.attempt_id, "succeeded", "every rank exited 0", now=end)
-            core._move_stage(run_id, stage, "succeeded", "every rank exited 0", summary_json=account.summary_json,
-                             now=end)
+            core._move_stage(
+                run_id, stage, "succeeded", "every rank exited 0", summary_json=account.summary_json, now=end
+            )
 
 
 def settle(core, group: Group, now: float) -> None:
@@ -131,4 +142,4 @@ def _written(core, group: Group, future, what: str) -> None:
     else:
         log.error("%s failed; trying again", what, exc_info=exc)
         group.settle_retries += 1
-        group.settle_retry_at = now + min(diskfull.MAX_DELAY, diskfull.FIRST_DELAY * 2 ** group.settle_retries)
+        group.settle_retry_at = now + min(diskfull.MAX_DELAY, diskfull.FIRST_DELAY * 2**group.settle_retries)

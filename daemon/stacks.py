@@ -26,7 +26,6 @@ from . import native
 PYTHON_WAIT = 1.5
 
 
-
 def catches(pid: int, signum: int = signal.SIGUSR1) -> bool:
     """Whether `pid` has a handler for `signum` (a sure sign its runtime registered one)."""
     try:

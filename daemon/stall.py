@@ -29,8 +29,7 @@ def activity(directory: Path) -> tuple:
     directory. It changes whenever a rank logs a line or reports progress."""
     try:
         with os.scandir(directory) as it:
-            return tuple(sorted((e.name, s.st_size, s.st_mtime_ns) for e in it if e.is_file()
-                                for s in (e.stat(),)))
+            return tuple(sorted((e.name, s.st_size, s.st_mtime_ns) for e in it if e.is_file() for s in (e.stat(),)))
     except OSError:
         return ()
 
@@ -58,8 +57,11 @@ def last_heartbeat(directory: Path) -> dict | None:
                 continue
             if isinstance(rec, dict) and rec.get("heartbeat"):
                 if best is None or float(rec.get("time") or 0) > best["time"]:
-                    best = {"phase": str(rec["heartbeat"]), "time": float(rec.get("time") or 0),
-                            "file": path.name.split(".")[0]}
+                    best = {
+                        "phase": str(rec["heartbeat"]),
+                        "time": float(rec.get("time") or 0),
+                        "file": path.name.split(".")[0],
+                    }
                 break
     return best
 
@@ -71,12 +73,26 @@ def error_record(group, host: str) -> contract.ErrorRecord:
     live = [a for a in asked if a.get("skipped") != "not running"]
     first = next((a for a in live if "offset" in a), live[0] if live else asked[0] if asked else {})
     beat = stuck.get("heartbeat")
-    said = (f"; the last heartbeat was {beat['file'].replace('-', ' ')}'s {beat['phase']!r}, "
-            f"{stuck['time'] - beat['time']:.0f} s before") if beat else ""
+    said = (
+        (
+            f"; the last heartbeat was {beat['file'].replace('-', ' ')}'s {beat['phase']!r}, "
+            f"{stuck['time'] - beat['time']:.0f} s before"
+        )
+        if beat
+        else ""
+    )
     return contract.ErrorRecord(
-        rank=first.get("rank"), pid=first.get("pid"), host=host, type="Stalled",
-        message=(f"no rank wrote a log line or progress for {stuck['quiet']:.0f} s "
-                 f"(stages.{group.stage}.stall_timeout = {group.stall_timeout:g}){said}; "
-                 "the live ranks' stacks follow"),
-        traceback=report(asked, first or None), time=stuck["time"], source="stall", path=first.get("log_path"),
+        rank=first.get("rank"),
+        pid=first.get("pid"),
+        host=host,
+        type="Stalled",
+        message=(
+            f"no rank wrote a log line or progress for {stuck['quiet']:.0f} s "
+            f"(stages.{group.stage}.stall_timeout = {group.stall_timeout:g}){said}; "
+            "the live ranks' stacks follow"
+        ),
+        traceback=report(asked, first or None),
+        time=stuck["time"],
+        source="stall",
+        path=first.get("log_path"),
     )

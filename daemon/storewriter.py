@@ -56,7 +56,7 @@ class Busy:
     """The writer is waiting for a lock another process holds."""
 
     since: float
-    what: str           # the transaction that waits: "recording the end of run 3 train attempt 1"
+    what: str  # the transaction that waits: "recording the end of run 3 train attempt 1"
     tries: int = 0
 
 
@@ -66,8 +66,8 @@ class _Job:
     what: str
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
-    deadline: float | None          # give up (StoreBusy) once past it, still locked
-    state: str = "queued"           # queued -> running -> done; or queued -> abandoned
+    deadline: float | None  # give up (StoreBusy) once past it, still locked
+    state: str = "queued"  # queued -> running -> done; or queued -> abandoned
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _leave_queue(self, to: str) -> bool:
@@ -168,8 +168,10 @@ class Writer:
         """The refusal of `what` while another process holds the database locked."""
         busy = self.busy
         since = f" for {time.time() - busy.since:.1f} s" if busy else ""
-        return (f"store busy: another process holds the database locked{since}; {what} was not done "
-                f"(try again once the lock is released)")
+        return (
+            f"store busy: another process holds the database locked{since}; {what} was not done "
+            f"(try again once the lock is released)"
+        )
 
     # -- the thread's side ----------------------------------------------------------------
 
@@ -216,15 +218,19 @@ class Writer:
 
     def _note_free(self, job: _Job) -> None:
         if self.busy is not None:
-            log.warning("store free again after %.1f s (%d tries); %s is recorded",
-                        time.time() - self.busy.since, self.busy.tries, job.what)
+            log.warning(
+                "store free again after %.1f s (%d tries); %s is recorded",
+                time.time() - self.busy.since,
+                self.busy.tries,
+                job.what,
+            )
             self.busy = None
             self._tell(job, None)
 
     def _tell(self, job: _Job, busy: Busy | None) -> None:
         try:
             job.loop.call_soon_threadsafe(self.on_busy, busy)
-        except RuntimeError:        # the loop is closed: nobody left to tell
+        except RuntimeError:  # the loop is closed: nobody left to tell
             pass
 
     @staticmethod
@@ -242,5 +248,5 @@ class Writer:
 
         try:
             job.loop.call_soon_threadsafe(settle)
-        except RuntimeError:        # the loop is closed (a test's asyncio.run ended)
+        except RuntimeError:  # the loop is closed (a test's asyncio.run ended)
             pass

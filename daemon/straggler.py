@@ -46,8 +46,16 @@ def error_record(group, host: str) -> contract.ErrorRecord:
     mine = next((a for a in asked if a.get("rank") == stuck["rank"] and a.get("role") != "tp-worker"), None)
     rank = group.ranks[stuck["rank"]]
     return contract.ErrorRecord(
-        rank=stuck["rank"], pid=stuck["pid"], host=host, type="Straggler",
-        message=(f"rank {stuck['rank']} did not exit {group.exit_timeout:g} s after {stuck['after']} "
-                 f"(stages.{group.stage}.exit_timeout = {group.exit_timeout:g}); its stacks follow"),
-        traceback=report(asked, mine), time=stuck["time"], source="straggler", path=str(rank.log_path),
+        rank=stuck["rank"],
+        pid=stuck["pid"],
+        host=host,
+        type="Straggler",
+        message=(
+            f"rank {stuck['rank']} did not exit {group.exit_timeout:g} s after {stuck['after']} "
+            f"(stages.{group.stage}.exit_timeout = {group.exit_timeout:g}); its stacks follow"
+        ),
+        traceback=report(asked, mine),
+        time=stuck["time"],
+        source="straggler",
+        path=str(rank.log_path),
     )

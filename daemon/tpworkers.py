@@ -47,10 +47,19 @@ class TPWorkers:
                 continue
             d = proc.get("driver_rank") or 0
             driver = self.ranks[d] if isinstance(d, int) and 0 <= d < len(self.ranks) else None
-            worker = Rank(self.world_size + k, self.dir / contract.tp_file(k, contract.LOG),
-                          driver.monitor_pid if driver else 0, driver.monitor_create_time if driver else None,
-                          None, proc["pid"], proc.get("create_time"), proc.get("device"),
-                          role="tp-worker", tp_rank=k, started_at=proc.get("time"))
+            worker = Rank(
+                self.world_size + k,
+                self.dir / contract.tp_file(k, contract.LOG),
+                driver.monitor_pid if driver else 0,
+                driver.monitor_create_time if driver else None,
+                None,
+                proc["pid"],
+                proc.get("create_time"),
+                proc.get("device"),
+                role="tp-worker",
+                tp_rank=k,
+                started_at=proc.get("time"),
+            )
             self.workers[k] = worker
             if driver is not None and driver.role is None:
                 driver.role = "driver"
@@ -72,7 +81,7 @@ class TPWorkers:
             fd = os.pidfd_open(worker.pid)
         except (RuntimeError, AttributeError, OSError, TypeError):
             return
-        if not procs.alive(worker.pid, worker.create_time):     # the pid was reused, or it is gone already
+        if not procs.alive(worker.pid, worker.create_time):  # the pid was reused, or it is gone already
             os.close(fd)
             return
 
@@ -126,8 +135,9 @@ class TPWorkers:
                 continue
             error = self.tp_error(w)
             if error is not None:
-                w.exit = RankExit(w.rank, error.get("pid") or w.pid, None, None, float(error.get("time") or now),
-                                  error, tp_rank=k)
+                w.exit = RankExit(
+                    w.rank, error.get("pid") or w.pid, None, None, float(error.get("time") or now), error, tp_rank=k
+                )
             elif not procs.alive(w.pid, w.create_time):
                 w.exit = RankExit(w.rank, w.pid, None, None, w.ended_at or now, tp_rank=k)
                 if self.splitter is not None and k in self.splitter.died:
@@ -156,7 +166,7 @@ class TPWorkers:
         exits = self._poll_tp(final=True)
         now = time.time()
         for k, w in self.workers.items():
-            if w.exit is None:      # still running after teardown: it was killed with the group
+            if w.exit is None:  # still running after teardown: it was killed with the group
                 w.exit = RankExit(w.rank, w.pid, None, None, w.ended_at or now, tp_rank=k)
                 exits.append(w.exit)
         self.close()

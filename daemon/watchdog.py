@@ -27,10 +27,13 @@ def check(groups, now: float) -> list:
         if group.stuck is not None or group.teardown_since is not None:
             continue
         # The straggler rule first: it is the more precise of the two when both apply.
-        stuck = ((group.exit_timeout > 0 and straggler.check(group, now))
-                 or (group.stall_timeout > 0 and stall.check(group, now)) or None)
+        stuck = (
+            (group.exit_timeout > 0 and straggler.check(group, now))
+            or (group.stall_timeout > 0 and stall.check(group, now))
+            or None
+        )
         if stuck is not None:
-            group.stuck = stuck         # settled only once its stacks are in ("asked")
+            group.stuck = stuck  # settled only once its stacks are in ("asked")
             found.append(group)
     return found
 
@@ -54,7 +57,7 @@ async def end(group, grace: float, recorded=lambda group: None) -> None:
         # A failed dump must not leave the hang in place: tear down without the stacks.
         log.exception("run %s: %s attempt %d: collecting stacks failed", group.run_id, group.stage, group.attempt)
     finally:
-        group.stuck.setdefault("asked", [])     # collected, or given up on
+        group.stuck.setdefault("asked", [])  # collected, or given up on
     recorded(group)
     if group.teardown_since is None:
         await group.teardown(grace, group.stuck["kind"])

@@ -37,11 +37,11 @@ MASTER_PORT = "MASTER_PORT"
 RUN_ID = "EYAS_RUN_ID"
 STAGE = "EYAS_STAGE"
 ATTEMPT = "EYAS_ATTEMPT"
-ATTEMPT_DIR = "EYAS_ATTEMPT_DIR"          # the directory this module's files live in
+ATTEMPT_DIR = "EYAS_ATTEMPT_DIR"  # the directory this module's files live in
 OUTPUT_DIR = "EYAS_OUTPUT_DIR"
-CONFIG = "EYAS_CONFIG"                    # the run's config.json (state/runconfig.py's to_dict)
-LOG_MAX_MB = "EYAS_LOG_MAX_MB"            # the rank log's bound, for the monitor
-RANK_FINALIZE = "EYAS_RANK_FINALIZE"      # "1": end with Python's finalisation, not os._exit
+CONFIG = "EYAS_CONFIG"  # the run's config.json (state/runconfig.py's to_dict)
+LOG_MAX_MB = "EYAS_LOG_MAX_MB"  # the rank log's bound, for the monitor
+RANK_FINALIZE = "EYAS_RANK_FINALIZE"  # "1": end with Python's finalisation, not os._exit
 
 # -- the files of an attempt ---------------------------------------------------------------------
 
@@ -53,11 +53,11 @@ ERROR = "error.json"
 DONE = "done.json"
 EXIT = "exit.json"
 SPLIT = "split.json"
-CHILDREN = "children.json"     # the selftest stage's record of the processes it started (tests)
+CHILDREN = "children.json"  # the selftest stage's record of the processes it started (tests)
 KINDS = (LOG, CUT, PROC, PROGRESS, ERROR, DONE, EXIT, SPLIT, CHILDREN)
 
 SUMMARY = "summary.json"
-DRIVER_LOG = "driver.log"      # a vLLM driver's own lines, split from its TP workers' (daemon/logsplit.py)
+DRIVER_LOG = "driver.log"  # a vLLM driver's own lines, split from its TP workers' (daemon/logsplit.py)
 PROGRESS_GLOB = f"*.{PROGRESS}"
 TP_PROC_GLOB = f"tp-*.{PROC}"
 
@@ -86,6 +86,7 @@ def tp_rank_of(name: str) -> int | None:
 
 # -- the error record ------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class ErrorRecord:
     """One failure as eyas records it (a row of the errors table): every producer in the
@@ -93,16 +94,16 @@ class ErrorRecord:
     lost rank, the hang watchdog's Stalled and Straggler, a spawn that failed), and the
     settlement writes it; the root cause is the first of an attempt's records."""
 
-    type: str                       # the exception's qualified name, "SIGKILL", "ExitCode", "Stalled", ...
-    message: str                    # may be empty: the type and traceback then say enough
-    traceback: str                  # the exception's, else the log's tail or the stacks collected
-    time: float                     # when it happened (the error file's time, else the exit's)
-    source: str                     # exception, signal, exit, lost, stall, straggler, disk_full, spawn
+    type: str  # the exception's qualified name, "SIGKILL", "ExitCode", "Stalled", ...
+    message: str  # may be empty: the type and traceback then say enough
+    traceback: str  # the exception's, else the log's tail or the stacks collected
+    time: float  # when it happened (the error file's time, else the exit's)
+    source: str  # exception, signal, exit, lost, stall, straggler, disk_full, spawn
     rank: int | None = None
     pid: int | None = None
     host: str | None = None
-    path: str | None = None         # the file that says more: the error file, else the rank's log
-    role: str | None = None         # "tp-worker" for a vLLM TP worker, else None
+    path: str | None = None  # the file that says more: the error file, else the rank's log
+    role: str | None = None  # "tp-worker" for a vLLM TP worker, else None
     tp_rank: int | None = None
 
     def replace(self, **changes) -> ErrorRecord:

@@ -39,8 +39,9 @@ class DatabaseDamaged(Exception):
 def is_damage(exc: BaseException) -> bool:
     """Whether `exc` is SQLite saying the file is damaged or not a database at all."""
     code = getattr(exc, "sqlite_errorcode", None)
-    return isinstance(exc, sqlite3.DatabaseError) and code is not None and code & 0xFF in (SQLITE_CORRUPT,
-                                                                                           SQLITE_NOTADB)
+    return (
+        isinstance(exc, sqlite3.DatabaseError) and code is not None and code & 0xFF in (SQLITE_CORRUPT, SQLITE_NOTADB)
+    )
 
 
 def message(path: Path, detail: str) -> str:
@@ -51,8 +52,10 @@ def message(path: Path, detail: str) -> str:
     # An empty one (a reader's) and the -shm index hold nothing and are rebuilt.
     moves = [path] + ([wal] if wal.exists() and wal.stat().st_size > 0 else [])
     mv = " && ".join(f"mv {shlex.quote(str(p))} {shlex.quote(str(p) + '.damaged')}" for p in moves)
-    return (f"{path}: the eyas database is damaged ({detail}); restore a backup, or move it aside to start "
-            f"a new history: {mv}")
+    return (
+        f"{path}: the eyas database is damaged ({detail}); restore a backup, or move it aside to start "
+        f"a new history: {mv}"
+    )
 
 
 def check(conn: sqlite3.Connection, path: Path) -> None:

@@ -25,10 +25,10 @@ from pathlib import Path
 
 from . import contract
 
-HEAD_SHARE = 0.10       # of the bound kept at the file's start, for good
+HEAD_SHARE = 0.10  # of the bound kept at the file's start, for good
 MIB = 1 << 20
-CHUNK = 8 << 20         # bytes a Tail reads at most per call, so a flood never stalls a reader
-CHECK = 64              # bytes before the offset a reader remembers to recognise its place
+CHUNK = 8 << 20  # bytes a Tail reads at most per call, so a flood never stalls a reader
+CHECK = 64  # bytes before the offset a reader remembers to recognise its place
 
 
 def sidecar(log: Path | str) -> Path:
@@ -58,7 +58,7 @@ class Bound:
         self.max_bytes = int(max_bytes)
         self.setting = setting
         self.fd: int | None = None
-        state = read_cut(self.path)        # a restarted owner (the daemon's splitter) goes on counting
+        state = read_cut(self.path)  # a restarted owner (the daemon's splitter) goes on counting
         self.head: int | None = state.get("head")
         self.cuts = int(state.get("cuts", 0))
         self.dropped = int(state.get("dropped", 0))
@@ -76,7 +76,7 @@ class Bound:
                 return 0
             return self._cut(size)
         except OSError:
-            return 0    # a full disk or a vanished file: the next check tries again
+            return 0  # a full disk or a vanished file: the next check tries again
 
     def head_bytes(self) -> int:
         return max(1, int(self.max_bytes * HEAD_SHARE))
@@ -91,10 +91,14 @@ class Bound:
         self.dropped += dropped
         self.record()
         lead = b"" if self.head == 0 or os.pread(self.fd, 1, self.head - 1) == b"\n" else b"\n"
-        marker = lead + (
-            f"eyas: ··· cut {dropped:,} bytes here ({self.path.name} passed {self.setting}; "
-            f"cut {self.cuts} time{'s' if self.cuts != 1 else ''}, {self.dropped:,} bytes in all; "
-            f"its first {self.head:,} bytes stay above) ···\n").encode()
+        marker = (
+            lead
+            + (
+                f"eyas: ··· cut {dropped:,} bytes here ({self.path.name} passed {self.setting}; "
+                f"cut {self.cuts} time{'s' if self.cuts != 1 else ''}, {self.dropped:,} bytes in all; "
+                f"its first {self.head:,} bytes stay above) ···\n"
+            ).encode()
+        )
         # The marker is written over bytes being dropped anyway, then the file is cut right
         # after it: appends that came in between are part of the dropped middle, and every
         # later append lands after the marker. A reader never sees a half-written marker.
@@ -107,8 +111,17 @@ class Bound:
         monitor writes it at start too, which tells the daemon's log splitter the bound."""
         path = sidecar(self.path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"head": self.head, "cuts": self.cuts, "dropped": self.dropped,
-                                   "max_bytes": self.max_bytes, "setting": self.setting}))
+        tmp.write_text(
+            json.dumps(
+                {
+                    "head": self.head,
+                    "cuts": self.cuts,
+                    "dropped": self.dropped,
+                    "max_bytes": self.max_bytes,
+                    "setting": self.setting,
+                }
+            )
+        )
         os.replace(tmp, path)
 
     def close(self) -> None:
@@ -136,10 +149,10 @@ class Tail:
         self.path = Path(path)
         self.offset = offset
         self.cuts = 0
-        self.restarts = 0       # cuts and replacements: what was read before is not the file any more
+        self.restarts = 0  # cuts and replacements: what was read before is not the file any more
         self._fd: int | None = None
         self._ino: tuple[int, int] | None = None
-        self._before: bytes | None = None   # the bytes just before `offset`, as last read
+        self._before: bytes | None = None  # the bytes just before `offset`, as last read
 
     def _open(self) -> os.stat_result | None:
         try:
@@ -156,7 +169,7 @@ class Tail:
         replaced = self._fd is not None
         self.close()
         self._fd, self._ino = fd, ino
-        if replaced:                        # another file under the name: all of it is new
+        if replaced:  # another file under the name: all of it is new
             self.offset, self._before = 0, b""
             self.restarts += 1
         return st
@@ -165,7 +178,7 @@ class Tail:
         """True when the bytes at our place are not the ones we read: the log was cut."""
         if self.offset > size:
             return True
-        if self._before is None:            # first look at an offset given from outside: trust it
+        if self._before is None:  # first look at an offset given from outside: trust it
             self._before = os.pread(self._fd, min(CHECK, self.offset), self.offset - min(CHECK, self.offset))
             return False
         return not still_there(self._fd, self.offset, self._before)
@@ -198,8 +211,8 @@ class Tail:
         end = len(data) if final and self.offset + len(data) >= size else data.rfind(b"\n") + 1
         if end == 0:
             if len(data) < limit:
-                return b""                  # a line still being written: wait for its end
-            end = len(data)                 # one enormous line: pass it on in pieces
+                return b""  # a line still being written: wait for its end
+            end = len(data)  # one enormous line: pass it on in pieces
         data = data[:end]
         self.offset += end
         self._before = remember(self._before, data)

@@ -72,7 +72,7 @@ def claim_run_dir(at_least: int, base: Path | None = None) -> tuple[int, Path]:
         try:
             path.mkdir()
             return run_id, path
-        except FileExistsError:     # a file of that name, or a folder made since the scan
+        except FileExistsError:  # a file of that name, or a folder made since the scan
             run_id += 1
 
 
@@ -205,8 +205,13 @@ def find_socket(base: Path | None = None) -> Path:
     record = read_record(base)
     # The common cases cost one small file read: no daemon recorded, or it serves where we look.
     # Only a record naming another socket is worth a probe (and psutil) before it is followed.
-    if not record or not isinstance(record.get("pid"), int) or record.get("create_time") is None \
-            or not isinstance(record.get("socket"), str) or Path(record["socket"]) == computed:
+    if (
+        not record
+        or not isinstance(record.get("pid"), int)
+        or record.get("create_time") is None
+        or not isinstance(record.get("socket"), str)
+        or Path(record["socket"]) == computed
+    ):
         return computed
     if _answers(computed):
         return computed

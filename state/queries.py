@@ -69,9 +69,15 @@ def list_runs(
         (rid, name, model, st, stage, created, started, ended, peak, toks) = r
         rows.append(
             {
-                "id": rid, "name": name, "model": model, "state": st, "stage": stage,
-                "started": started or created, "duration": _duration(started, ended, now),
-                "peak_gpu_mem": peak, "tok_s": toks,
+                "id": rid,
+                "name": name,
+                "model": model,
+                "state": st,
+                "stage": stage,
+                "started": started or created,
+                "duration": _duration(started, ended, now),
+                "peak_gpu_mem": peak,
+                "tok_s": toks,
             }
         )
     return rows
@@ -87,8 +93,9 @@ def get_run(db: sqlite_utils.Database, run_id: int, *, now: float | None = None)
     stages = []
     for s in _rows(db, "SELECT * FROM stages WHERE run_id = ? ORDER BY position", [run_id]):
         attempts = []
-        for a in _rows(db, "SELECT * FROM attempts WHERE run_id = ? AND stage = ? ORDER BY number",
-                       [run_id, s["name"]]):
+        for a in _rows(
+            db, "SELECT * FROM attempts WHERE run_id = ? AND stage = ? ORDER BY number", [run_id, s["name"]]
+        ):
             root = _rows(db, "SELECT * FROM errors WHERE attempt_id = ? AND root_cause = 1 LIMIT 1", [a["id"]])
             ranks = _rows(
                 db,
@@ -98,39 +105,61 @@ def get_run(db: sqlite_utils.Database, run_id: int, *, now: float | None = None)
             )
             attempts.append(
                 {
-                    "number": a["number"], "state": a["state"], "dir": a["dir"], "reason": a["reason"],
-                    "world_size": a["world_size"], "devices": json.loads(a["devices"] or "[]"),
-                    "started_at": a["started_at"], "ended_at": a["ended_at"],
+                    "number": a["number"],
+                    "state": a["state"],
+                    "dir": a["dir"],
+                    "reason": a["reason"],
+                    "world_size": a["world_size"],
+                    "devices": json.loads(a["devices"] or "[]"),
+                    "started_at": a["started_at"],
+                    "ended_at": a["ended_at"],
                     "duration": _duration(a["started_at"], a["ended_at"], now),
-                    "root_cause": _error(root[0]) if root else None, "ranks": ranks,
+                    "root_cause": _error(root[0]) if root else None,
+                    "ranks": ranks,
                 }
             )
         stages.append(
             {
-                "name": s["name"], "state": s["state"], "attempts": s["attempts"] or 0,
-                "restarts": s["restarts"] or 0, "reason": s["reason"],
-                "started_at": s["started_at"], "ended_at": s["ended_at"],
+                "name": s["name"],
+                "state": s["state"],
+                "attempts": s["attempts"] or 0,
+                "restarts": s["restarts"] or 0,
+                "reason": s["reason"],
+                "started_at": s["started_at"],
+                "ended_at": s["ended_at"],
                 "duration": _duration(s["started_at"], s["ended_at"], now),
-                "tok_s": s["tok_s"], "peak_gpu_mem": s["peak_gpu_mem"],
+                "tok_s": s["tok_s"],
+                "peak_gpu_mem": s["peak_gpu_mem"],
                 "summary": json.loads(s["summary_json"]) if s["summary_json"] else None,
                 "attempt_list": attempts,
             }
         )
     return {
-        "id": run["id"], "name": run["name"], "model": run["model"], "state": run["state"],
-        "stage": run["current_stage"], "reason": run["reason"], "config_path": run["config_path"],
-        "output_dir": run["output_dir"], "dir": run.get("dir"),
-        "created_at": run["created_at"], "started_at": run["started_at"],
-        "ended_at": run["ended_at"], "duration": _duration(run["started_at"], run["ended_at"], now),
-        "peak_gpu_mem": run["peak_gpu_mem"], "tok_s": run["tok_s"],
+        "id": run["id"],
+        "name": run["name"],
+        "model": run["model"],
+        "state": run["state"],
+        "stage": run["current_stage"],
+        "reason": run["reason"],
+        "config_path": run["config_path"],
+        "output_dir": run["output_dir"],
+        "dir": run.get("dir"),
+        "created_at": run["created_at"],
+        "started_at": run["started_at"],
+        "ended_at": run["ended_at"],
+        "duration": _duration(run["started_at"], run["ended_at"], now),
+        "peak_gpu_mem": run["peak_gpu_mem"],
+        "tok_s": run["tok_s"],
         "summary": json.loads(run["summary_json"]) if run["summary_json"] else None,
         "stages": stages,
     }
 
 
 def _error(row: dict) -> dict[str, Any]:
-    return {k: row[k] for k in ("rank", "pid", "host", "type", "message", "traceback", "time", "source", "path",
-                                "role", "tp_rank")}
+    return {
+        k: row[k]
+        for k in ("rank", "pid", "host", "type", "message", "traceback", "time", "source", "path", "role", "tp_rank")
+    }
 
 
 def errors(db: sqlite_utils.Database, run_id: int, stage: str | None = None) -> list[dict[str, Any]]:
@@ -195,8 +224,7 @@ def stage_attempts(db, run_id: int, stage: str) -> list[dict[str, Any]]:
     """
     return _rows(
         db,
-        "SELECT number, state, dir, started_at, ended_at FROM attempts WHERE run_id = ? AND stage = ? "
-        "ORDER BY number",
+        "SELECT number, state, dir, started_at, ended_at FROM attempts WHERE run_id = ? AND stage = ? ORDER BY number",
         [run_id, stage],
     )
 
@@ -212,7 +240,9 @@ def latest_metric(db, run_id: int, stage: str, attempt: int, name: str) -> tuple
     progress, ETA and loss when no live figures have arrived). One index probe."""
     return db.execute(
         "SELECT time, rank, value FROM metrics WHERE run_id=? AND stage=? AND attempt=? AND name=? "
-        "ORDER BY time DESC LIMIT 1", [run_id, stage, attempt, name]).fetchone()
+        "ORDER BY time DESC LIMIT 1",
+        [run_id, stage, attempt, name],
+    ).fetchone()
 
 
 def gpu_memory(db, since: float) -> dict[int, dict[str, float]]:
@@ -220,8 +250,9 @@ def gpu_memory(db, since: float) -> dict[int, dict[str, float]]:
     {index: {"mem_used": bytes, "mem_total": bytes}}; empty without GPUs."""
     found: dict[int, dict[str, float]] = {}
     for name, value in db.execute(
-            "SELECT name, value FROM metrics WHERE time >= ? AND run_id IS NULL AND name LIKE 'gpu%.mem_%' "
-            "ORDER BY time", [since]):
+        "SELECT name, value FROM metrics WHERE time >= ? AND run_id IS NULL AND name LIKE 'gpu%.mem_%' ORDER BY time",
+        [since],
+    ):
         index, _, field = name[3:].partition(".")
         if index.isdigit() and field in ("mem_used", "mem_total"):
             found.setdefault(int(index), {})[field] = value
@@ -234,9 +265,11 @@ def acceptance_lengths(db, run_ids: list[int]) -> dict[int, float]:
     stages(run_id, name), in chunks that stay under SQLite's parameter limit."""
     found: dict[int, float] = {}
     for i in range(0, len(run_ids), 500):
-        chunk = run_ids[i:i + 500]
-        sql = ("SELECT run_id, json_extract(summary_json, '$.acceptance_length') FROM stages "
-               f"WHERE name = 'evaluate' AND run_id IN ({','.join('?' * len(chunk))})")
+        chunk = run_ids[i : i + 500]
+        sql = (
+            "SELECT run_id, json_extract(summary_json, '$.acceptance_length') FROM stages "
+            f"WHERE name = 'evaluate' AND run_id IN ({','.join('?' * len(chunk))})"
+        )
         for run_id, value in db.execute(sql, chunk):
             if isinstance(value, (int, float)):
                 found[run_id] = float(value)

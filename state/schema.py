@@ -10,11 +10,22 @@ import sqlite_utils
 def _m1_initial(db: sqlite_utils.Database) -> None:
     db["runs"].create(
         {
-            "id": int, "name": str, "model": str, "state": str, "current_stage": str,
-            "config_path": str, "config_json": str, "output_dir": str, "reason": str,
-            "created_at": float, "started_at": float, "ended_at": float,
+            "id": int,
+            "name": str,
+            "model": str,
+            "state": str,
+            "current_stage": str,
+            "config_path": str,
+            "config_json": str,
+            "output_dir": str,
+            "reason": str,
+            "created_at": float,
+            "started_at": float,
+            "ended_at": float,
             # Roll-ups kept by the daemon, so history listings never scan the metrics table.
-            "peak_gpu_mem": float, "tok_s": float, "summary_json": str,
+            "peak_gpu_mem": float,
+            "tok_s": float,
+            "summary_json": str,
         },
         pk="id",
         not_null={"name", "state", "created_at"},
@@ -24,10 +35,21 @@ def _m1_initial(db: sqlite_utils.Database) -> None:
 
     db["stages"].create(
         {
-            "id": int, "run_id": int, "name": str, "position": int, "state": str,
-            "attempts": int, "restarts": int, "max_restarts": int, "world_size": int,
-            "started_at": float, "ended_at": float, "reason": str,
-            "tok_s": float, "peak_gpu_mem": float, "summary_json": str,
+            "id": int,
+            "run_id": int,
+            "name": str,
+            "position": int,
+            "state": str,
+            "attempts": int,
+            "restarts": int,
+            "max_restarts": int,
+            "world_size": int,
+            "started_at": float,
+            "ended_at": float,
+            "reason": str,
+            "tok_s": float,
+            "peak_gpu_mem": float,
+            "summary_json": str,
         },
         pk="id",
         foreign_keys=[("run_id", "runs", "id")],
@@ -38,9 +60,18 @@ def _m1_initial(db: sqlite_utils.Database) -> None:
 
     db["attempts"].create(
         {
-            "id": int, "run_id": int, "stage": str, "number": int, "state": str, "dir": str,
-            "world_size": int, "devices": str, "master_port": int,
-            "started_at": float, "ended_at": float, "reason": str,
+            "id": int,
+            "run_id": int,
+            "stage": str,
+            "number": int,
+            "state": str,
+            "dir": str,
+            "world_size": int,
+            "devices": str,
+            "master_port": int,
+            "started_at": float,
+            "ended_at": float,
+            "reason": str,
         },
         pk="id",
         foreign_keys=[("run_id", "runs", "id")],
@@ -51,13 +82,30 @@ def _m1_initial(db: sqlite_utils.Database) -> None:
 
     db["ranks"].create(
         {
-            "id": int, "attempt_id": int, "run_id": int, "stage": str, "rank": int,
+            "id": int,
+            "attempt_id": int,
+            "run_id": int,
+            "stage": str,
+            "rank": int,
             # pid + create_time identify a process for good: a recycled pid has another
             # create time, so a restarted daemon never adopts a stranger.
-            "pid": int, "create_time": float, "monitor_pid": int, "monitor_create_time": float,
-            "host": str, "device": str, "state": str, "exit_code": int, "signal": int,
-            "oom_killed": int, "started_at": float, "ended_at": float, "log_path": str,
-            "peak_gpu_mem": float, "tok_s": float, "cpu_percent": float, "rss": float,
+            "pid": int,
+            "create_time": float,
+            "monitor_pid": int,
+            "monitor_create_time": float,
+            "host": str,
+            "device": str,
+            "state": str,
+            "exit_code": int,
+            "signal": int,
+            "oom_killed": int,
+            "started_at": float,
+            "ended_at": float,
+            "log_path": str,
+            "peak_gpu_mem": float,
+            "tok_s": float,
+            "cpu_percent": float,
+            "rss": float,
         },
         pk="id",
         foreign_keys=[("attempt_id", "attempts", "id"), ("run_id", "runs", "id")],
@@ -68,9 +116,21 @@ def _m1_initial(db: sqlite_utils.Database) -> None:
 
     db["errors"].create(
         {
-            "id": int, "run_id": int, "stage": str, "attempt_id": int, "attempt": int,
-            "rank": int, "pid": int, "host": str, "type": str, "message": str,
-            "traceback": str, "time": float, "root_cause": int, "source": str, "path": str,
+            "id": int,
+            "run_id": int,
+            "stage": str,
+            "attempt_id": int,
+            "attempt": int,
+            "rank": int,
+            "pid": int,
+            "host": str,
+            "type": str,
+            "message": str,
+            "traceback": str,
+            "time": float,
+            "root_cause": int,
+            "source": str,
+            "path": str,
         },
         pk="id",
         foreign_keys=[("run_id", "runs", "id"), ("attempt_id", "attempts", "id")],
@@ -82,8 +142,14 @@ def _m1_initial(db: sqlite_utils.Database) -> None:
 
     db["metrics"].create(
         {
-            "id": int, "time": float, "run_id": int, "stage": str, "attempt": int,
-            "rank": int, "name": str, "value": float,
+            "id": int,
+            "time": float,
+            "run_id": int,
+            "stage": str,
+            "attempt": int,
+            "rank": int,
+            "name": str,
+            "value": float,
         },
         pk="id",
         not_null={"time", "name", "value"},
@@ -93,8 +159,15 @@ def _m1_initial(db: sqlite_utils.Database) -> None:
 
     db["events"].create(
         {
-            "id": int, "time": float, "run_id": int, "stage": str, "attempt": int,
-            "entity": str, "from_state": str, "to_state": str, "reason": str,
+            "id": int,
+            "time": float,
+            "run_id": int,
+            "stage": str,
+            "attempt": int,
+            "entity": str,
+            "from_state": str,
+            "to_state": str,
+            "reason": str,
         },
         pk="id",
         not_null={"time", "entity", "to_state"},
@@ -134,7 +207,8 @@ def _m4_intent(db: sqlite_utils.Database) -> None:
     db.execute(
         "UPDATE stages SET restart_at = (julianday('now') - 2440587.5) * 86400.0 WHERE state = 'running' "
         "AND NOT EXISTS (SELECT 1 FROM attempts a WHERE a.run_id = stages.run_id AND a.stage = stages.name "
-        "AND a.state = 'running')")
+        "AND a.state = 'running')"
+    )
 
 
 def _m5_stuck(db: sqlite_utils.Database) -> None:
@@ -145,8 +219,13 @@ def _m5_stuck(db: sqlite_utils.Database) -> None:
     db["attempts"].add_column("stuck_json", str)
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_m1_initial, _m2_tp_workers, _m3_run_dir, _m4_intent,
-                                                             _m5_stuck]
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
+    _m1_initial,
+    _m2_tp_workers,
+    _m3_run_dir,
+    _m4_intent,
+    _m5_stuck,
+]
 LATEST = len(MIGRATIONS)
 
 
@@ -158,9 +237,7 @@ def migrate(db: sqlite_utils.Database) -> int:
     """Apply the migrations this database lacks; `user_version` moves only after each one."""
     current = version(db)
     if current > LATEST:
-        raise RuntimeError(
-            f"database schema version {current} is newer than this eyas knows ({LATEST}); upgrade eyas"
-        )
+        raise RuntimeError(f"database schema version {current} is newer than this eyas knows ({LATEST}); upgrade eyas")
     for number in range(current + 1, LATEST + 1):
         # One explicit transaction per migration, its DDL included: Python 3.11's sqlite3
         # opens no transaction for DDL inside `with conn:`, so a migration failing halfway

@@ -24,23 +24,45 @@ class Table(BaseModel):
 
 def _engine_args(fixed: tuple[str, ...], why: str) -> AfterValidator:
     """options.vllm: more vLLM engine arguments, none of those the stage sets itself."""
+
     def check(extra: dict[str, Any]) -> dict[str, Any]:
         taken = sorted(k for k in extra if k in fixed)
         if taken:
-            raise ValueError(f"sets {', '.join(taken)}, which eyas sets itself; remove "
-                             f"{'it' if len(taken) == 1 else 'them'} ({why})")
+            raise ValueError(
+                f"sets {', '.join(taken)}, which eyas sets itself; remove {'it' if len(taken) == 1 else 'them'} ({why})"
+            )
         return extra
+
     return AfterValidator(check)
 
 
 # The engine arguments each stage sets itself: keep them in step with eyas.workers.vllm.backend.engine_args() and
 # the engine arguments of workers/evaluate/engines.py.
-EXTRACT_ENGINE_ARGS = ("model", "tokenizer", "tensor_parallel_size", "pipeline_parallel_size", "dtype",
-                       "enforce_eager", "enable_prefix_caching", "worker_extension_cls",
-                       "distributed_executor_backend", "skip_tokenizer_init", "trust_remote_code")
-EVALUATE_ENGINE_ARGS = ("model", "tokenizer", "tensor_parallel_size", "pipeline_parallel_size", "dtype",
-                        "speculative_config", "skip_tokenizer_init", "trust_remote_code", "enable_prefix_caching",
-                        "disable_log_stats")
+EXTRACT_ENGINE_ARGS = (
+    "model",
+    "tokenizer",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "dtype",
+    "enforce_eager",
+    "enable_prefix_caching",
+    "worker_extension_cls",
+    "distributed_executor_backend",
+    "skip_tokenizer_init",
+    "trust_remote_code",
+)
+EVALUATE_ENGINE_ARGS = (
+    "model",
+    "tokenizer",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "dtype",
+    "speculative_config",
+    "skip_tokenizer_init",
+    "trust_remote_code",
+    "enable_prefix_caching",
+    "disable_log_stats",
+)
 
 
 class NoOptions(Table):
@@ -57,8 +79,15 @@ def _class_name(name: str) -> str:
 class ExtractOptions(Table):
     """[stages.extract] options (workers/stages/extract.py, workers/vllm/backend.py)."""
 
-    vllm: Annotated[dict[str, Any], _engine_args(EXTRACT_ENGINE_ARGS, "tensor_parallel_size: "
-                                                 "extract.tensor_parallel_size; dtype: target.dtype")] | None = None
+    vllm: (
+        Annotated[
+            dict[str, Any],
+            _engine_args(
+                EXTRACT_ENGINE_ARGS, "tensor_parallel_size: extract.tensor_parallel_size; dtype: target.dtype"
+            ),
+        ]
+        | None
+    ) = None
     # Another vLLM worker extension, a subclass of eyas's; imported (and checked) when the stage starts.
     worker_extension: Annotated[str, AfterValidator(_class_name)] | None = None
 
@@ -66,22 +95,27 @@ class ExtractOptions(Table):
 class TrainOptions(Table):
     """[stages.train] options (workers/stages/train.py); None: a default that depends on the device."""
 
-    scheduler: Literal["linear", "cosine", "constant"] = "linear"   # speculators' default
-    save_every: int = Field(0, ge=0)            # a mid-epoch checkpoint every N steps; 0: epoch ends only
+    scheduler: Literal["linear", "cosine", "constant"] = "linear"  # speculators' default
+    save_every: int = Field(0, ge=0)  # a mid-epoch checkpoint every N steps; 0: epoch ends only
     log_every: int = Field(1, ge=1)
-    num_workers: int | None = Field(None, ge=0)                     # 0 on CPU, 2 on CUDA
-    loss: str = "kl_div"                        # speculators' loss name, or JSON weights
-    loss_implementation: Literal["eager", "fused"] | None = None    # fused on CUDA with triton, else eager
-    attention: Literal["sdpa", "eager", "simple_flex_attention"] | None = None   # flex on CUDA, else sdpa
+    num_workers: int | None = Field(None, ge=0)  # 0 on CPU, 2 on CUDA
+    loss: str = "kl_div"  # speculators' loss name, or JSON weights
+    loss_implementation: Literal["eager", "fused"] | None = None  # fused on CUDA with triton, else eager
+    attention: Literal["sdpa", "eager", "simple_flex_attention"] | None = None  # flex on CUDA, else sdpa
     ttt_step_loss_decay: float = 1.0
 
 
 class EvaluateOptions(Table):
     """[stages.evaluate] options (workers/stages/evaluate.py)."""
 
-    vllm: Annotated[dict[str, Any], _engine_args(
-        EVALUATE_ENGINE_ARGS, "tensor_parallel_size: evaluate.tensor_parallel_size; dtype: target.dtype; "
-                              "speculative_config: evaluate.num_speculative_tokens")] = Field(default_factory=dict)
+    vllm: Annotated[
+        dict[str, Any],
+        _engine_args(
+            EVALUATE_ENGINE_ARGS,
+            "tensor_parallel_size: evaluate.tensor_parallel_size; dtype: target.dtype; "
+            "speculative_config: evaluate.num_speculative_tokens",
+        ),
+    ] = Field(default_factory=dict)
 
 
 FailMode = Literal["raise", "raise-empty", "exit", "segfault", "sigkill", "children", "hang"]
@@ -95,20 +129,20 @@ class SelftestOptions(Table):
 
     steps: int = Field(10, ge=0)
     step_time: float = Field(0.05, ge=0)
-    lines_per_sec: int = Field(0, ge=0)         # 0: one log line per step
+    lines_per_sec: int = Field(0, ge=0)  # 0: one log line per step
     duration: float | None = Field(None, ge=0)  # with lines_per_sec: flood for this long (sets steps)
     tokens_per_step: int = 100
     fail: FailMode | None = None
-    fail_rank: int = Field(0, ge=-1)            # -1: every rank
-    fail_at_step: int = Field(0, ge=0)          # fail before doing this step (0-based)
+    fail_rank: int = Field(0, ge=-1)  # -1: every rank
+    fail_at_step: int = Field(0, ge=0)  # fail before doing this step (0-based)
     # TOML arrays arrive as lists: strict=False lets them become the tuple (the items stay strict).
-    fail_attempts: tuple[int, ...] | None = Field(None, strict=False)   # None: on every attempt
-    summary_on_fail: bool = False   # rank 0 writes summary.json before it fails (as evaluate does)
-    heartbeat_for: float = Field(0.0, ge=0)     # first, this many seconds of silence but for heartbeats
-    hang_at_end: bool = False       # after its steps, rank fail_rank (-1: all) blocks for ever, writing nothing
-    linger_thread: bool = False     # after its work, leave a non-daemon thread that never ends
-    ignore_sigterm: bool = False    # a rank that only SIGKILL ends (teardown waits out its grace)
-    gloo_teardown: GlooTeardown | None = None   # a gloo group and a DDP model, torn down the old way or eyas's
+    fail_attempts: tuple[int, ...] | None = Field(None, strict=False)  # None: on every attempt
+    summary_on_fail: bool = False  # rank 0 writes summary.json before it fails (as evaluate does)
+    heartbeat_for: float = Field(0.0, ge=0)  # first, this many seconds of silence but for heartbeats
+    hang_at_end: bool = False  # after its steps, rank fail_rank (-1: all) blocks for ever, writing nothing
+    linger_thread: bool = False  # after its work, leave a non-daemon thread that never ends
+    ignore_sigterm: bool = False  # a rank that only SIGKILL ends (teardown waits out its grace)
+    gloo_teardown: GlooTeardown | None = None  # a gloo group and a DDP model, torn down the old way or eyas's
 
     @model_validator(mode="after")
     def _flood_needs_rate_and_time(self) -> SelftestOptions:
@@ -122,20 +156,20 @@ class SelftestOptions(Table):
 @dataclass(frozen=True)
 class StageSpec:
     name: str
-    entry: str                  # "module:function" run by the rank runtime inside each rank
+    entry: str  # "module:function" run by the rank runtime inside each rank
     description: str
-    distributed: bool = True    # False: always one rank, whatever the run's ranks
+    distributed: bool = True  # False: always one rank, whatever the run's ranks
     max_restarts: int = 0
-    needs_target: bool = True   # the stage reads the target model
-    needs_data: bool = False    # the stage reads the dataset
-    gpus: bool = True           # False: runs on CPU (tokenizing, counting, checks) and holds no GPU
+    needs_target: bool = True  # the stage reads the target model
+    needs_data: bool = False  # the stage reads the dataset
+    gpus: bool = True  # False: runs on CPU (tokenizing, counting, checks) and holds no GPU
     # The hang bounds' defaults (README, "How it works → Hangs"); a run overrides them in
     # [stages.<name>], where 0 turns one off. Every legitimately silent phase of a real stage
     # (weight load, engine start-up, checkpoint save) writes a heartbeat line every ~30 s, so
     # ten quiet minutes mean a hang, not a slow step.
     stall_timeout: float = 600.0  # seconds with nothing written to the attempt dir
-    exit_timeout: float = 60.0    # seconds a rank may outlive its own work or its peers
-    options: type[Table] = NoOptions    # the model [stages.<name>] options must fit
+    exit_timeout: float = 60.0  # seconds a rank may outlive its own work or its peers
+    options: type[Table] = NoOptions  # the model [stages.<name>] options must fit
 
 
 STAGES: dict[str, StageSpec] = {
@@ -143,21 +177,49 @@ STAGES: dict[str, StageSpec] = {
     for spec in (
         # `eyas doctor`'s checks, run first in every run that reads a target (runconfig.py puts it
         # there): a failed check stops the run before any rank group loads anything.
-        StageSpec("preflight", "eyas.workers.stages.preflight:main", "check versions, target, adapter, "
-                  "tokenizer and resources", distributed=False, gpus=False),
-        StageSpec("prepare", "eyas.workers.stages.prepare:main", "render chats, build loss masks",
-                  distributed=False, needs_data=True, gpus=False),
-        StageSpec("extract", "eyas.workers.stages.extract:main", "capture the target's hidden states",
-                  options=ExtractOptions),
-        StageSpec("vocab", "eyas.workers.stages.vocab:main", "build the draft vocabulary mapping",
-                  distributed=False, gpus=False),
+        StageSpec(
+            "preflight",
+            "eyas.workers.stages.preflight:main",
+            "check versions, target, adapter, tokenizer and resources",
+            distributed=False,
+            gpus=False,
+        ),
+        StageSpec(
+            "prepare",
+            "eyas.workers.stages.prepare:main",
+            "render chats, build loss masks",
+            distributed=False,
+            needs_data=True,
+            gpus=False,
+        ),
+        StageSpec(
+            "extract", "eyas.workers.stages.extract:main", "capture the target's hidden states", options=ExtractOptions
+        ),
+        StageSpec(
+            "vocab",
+            "eyas.workers.stages.vocab:main",
+            "build the draft vocabulary mapping",
+            distributed=False,
+            gpus=False,
+        ),
         StageSpec("train", "eyas.workers.stages.train:main", "train the EAGLE-3 draft", options=TrainOptions),
-        StageSpec("evaluate", "eyas.workers.stages.evaluate:main", "measure acceptance in vLLM",
-                  distributed=False, options=EvaluateOptions),
+        StageSpec(
+            "evaluate",
+            "eyas.workers.stages.evaluate:main",
+            "measure acceptance in vLLM",
+            distributed=False,
+            options=EvaluateOptions,
+        ),
         # A stage for tests and benchmarks: prints, reports progress, sleeps and fails on demand.
         # Its short stall default lets tests exercise the watchdog as a run gets it by default.
-        StageSpec("selftest", "eyas.workers.stages.selftest:main", "exercise the supervisor",
-                  needs_target=False, stall_timeout=20.0, options=SelftestOptions),
+        StageSpec(
+            "selftest",
+            "eyas.workers.stages.selftest:main",
+            "exercise the supervisor",
+            needs_target=False,
+            stall_timeout=20.0,
+            options=SelftestOptions,
+        ),
     )
 }
 

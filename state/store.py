@@ -24,7 +24,7 @@ from .integrity import DatabaseDamaged  # noqa: F401 - what open_writer raises, 
 class NotFound(KeyError):
     """A run or stage that the store does not hold: the caller's mistake, not eyas's."""
 
-    def __str__(self) -> str:       # KeyError's own str() would quote the message
+    def __str__(self) -> str:  # KeyError's own str() would quote the message
         return str(self.args[0]) if self.args else "not found"
 
 
@@ -69,8 +69,14 @@ def open_reader(path: Path) -> sqlite_utils.Database:
 def _event(db, run_id, entity, old, new, reason, stage=None, attempt=None, now=None) -> None:
     db["events"].insert(
         {
-            "time": now or time.time(), "run_id": run_id, "stage": stage, "attempt": attempt,
-            "entity": entity, "from_state": old, "to_state": new, "reason": reason,
+            "time": now or time.time(),
+            "run_id": run_id,
+            "stage": stage,
+            "attempt": attempt,
+            "entity": entity,
+            "from_state": old,
+            "to_state": new,
+            "reason": reason,
         }
     )
 
@@ -93,9 +99,14 @@ def create_run(
     them SQLite picks the id and the run has no folder of its own (tests)."""
     now = now or time.time()
     row = {
-        "name": name, "model": model, "state": "pending", "config_path": config_path,
+        "name": name,
+        "model": model,
+        "state": "pending",
+        "config_path": config_path,
         "config_json": json.dumps(config) if config is not None else None,
-        "output_dir": output_dir, "created_at": now, "dir": dir,
+        "output_dir": output_dir,
+        "created_at": now,
+        "dir": dir,
     }
     if run_id is not None:
         row["id"] = run_id
@@ -104,8 +115,12 @@ def create_run(
         for position, stage in enumerate(stages):
             db["stages"].insert(
                 {
-                    "run_id": run_id, "name": stage["name"], "position": position, "state": "pending",
-                    "max_restarts": stage.get("max_restarts", 0), "world_size": stage.get("world_size"),
+                    "run_id": run_id,
+                    "name": stage["name"],
+                    "position": position,
+                    "state": "pending",
+                    "max_restarts": stage.get("max_restarts", 0),
+                    "world_size": stage.get("world_size"),
                 }
             )
         _event(db, run_id, "run", None, "pending", "submitted", now=now)
@@ -157,27 +172,45 @@ def move_stage(db, run_id: int, stage: str, new: str, reason: str, now: float | 
 
 
 def new_attempt(
-    db, run_id: int, stage: str, *, dir: str, world_size: int, devices: list | None = None,
-    master_port: int | None = None, now: float | None = None,
+    db,
+    run_id: int,
+    stage: str,
+    *,
+    dir: str,
+    world_size: int,
+    devices: list | None = None,
+    master_port: int | None = None,
+    now: float | None = None,
 ) -> tuple[int, int]:
     """Record the next attempt of a stage; returns (attempt id, attempt number)."""
     now = now or time.time()
     row = stage_row(db, run_id, stage)
     number = (row["attempts"] or 0) + 1
     with db.atomic():
-        attempt_id = db["attempts"].insert(
-            {
-                "run_id": run_id, "stage": stage, "number": number, "state": "running", "dir": dir,
-                "world_size": world_size, "devices": json.dumps(devices or []),
-                "master_port": master_port, "started_at": now,
-            }
-        ).last_pk
+        attempt_id = (
+            db["attempts"]
+            .insert(
+                {
+                    "run_id": run_id,
+                    "stage": stage,
+                    "number": number,
+                    "state": "running",
+                    "dir": dir,
+                    "world_size": world_size,
+                    "devices": json.dumps(devices or []),
+                    "master_port": master_port,
+                    "started_at": now,
+                }
+            )
+            .last_pk
+        )
         # The attempt is the restart that was due: its intent is spent with it.
         db["stages"].update(row["id"], {"attempts": number, "world_size": world_size, "restart_at": None})
         # The run's reason follows its current stage: "starting prepare" must not outlive prepare.
         db["runs"].update(run_id, {"current_stage": stage, "reason": f"{stage}: attempt {number} started"})
-        _event(db, run_id, "attempt", None, "running", f"attempt {number} started", stage=stage,
-               attempt=number, now=now)
+        _event(
+            db, run_id, "attempt", None, "running", f"attempt {number} started", stage=stage, attempt=number, now=now
+        )
     return attempt_id, number
 
 
@@ -187,8 +220,9 @@ def move_attempt(db, attempt_id: int, new: str, reason: str, now: float | None =
     machine.check("attempt", row["state"], new, f"attempt {row['number']} of {row['stage']}")
     with db.atomic():
         db["attempts"].update(attempt_id, {"state": new, "reason": reason, "ended_at": now})
-        _event(db, row["run_id"], "attempt", row["state"], new, reason, stage=row["stage"],
-               attempt=row["number"], now=now)
+        _event(
+            db, row["run_id"], "attempt", row["state"], new, reason, stage=row["stage"], attempt=row["number"], now=now
+        )
 
 
 def record_cancel(db, attempt_id: int, reason: str, now: float | None = None) -> None:
@@ -196,8 +230,11 @@ def record_cancel(db, attempt_id: int, reason: str, now: float | None = None) ->
     shutdown), before any signal is sent: a daemon restarted meanwhile settles it as cancelled
     with this reason, and its ranks' deaths after `cancel_at` are not failures."""
     with db.atomic():
-        db.execute("UPDATE attempts SET cancel_reason = coalesce(cancel_reason, ?), "
-                   "cancel_at = coalesce(cancel_at, ?) WHERE id = ?", [reason, now or time.time(), attempt_id])
+        db.execute(
+            "UPDATE attempts SET cancel_reason = coalesce(cancel_reason, ?), "
+            "cancel_at = coalesce(cancel_at, ?) WHERE id = ?",
+            [reason, now or time.time(), attempt_id],
+        )
 
 
 def record_stuck(db, attempt_id: int, stuck: dict) -> None:
@@ -210,8 +247,10 @@ def record_stuck(db, attempt_id: int, stuck: dict) -> None:
 def schedule_restart(db, run_id: int, stage: str, restarts: int, due: float) -> None:
     """Record a restart the policy called for: the stage's restart count and when it is due."""
     with db.atomic():
-        db.execute("UPDATE stages SET restarts = ?, restart_at = ? WHERE run_id = ? AND name = ?",
-                   [restarts, due, run_id, stage])
+        db.execute(
+            "UPDATE stages SET restarts = ?, restart_at = ? WHERE run_id = ? AND name = ?",
+            [restarts, due, run_id, stage],
+        )
 
 
 def upsert_rank(db, attempt_id: int, rank: int, **fields) -> None:
@@ -225,28 +264,61 @@ def upsert_rank(db, attempt_id: int, rank: int, **fields) -> None:
             db["ranks"].update(existing[0]["id"], fields)
         else:
             db["ranks"].insert(
-                {"attempt_id": attempt_id, "rank": rank, "run_id": attempt["run_id"],
-                 "stage": attempt["stage"], **fields}
+                {
+                    "attempt_id": attempt_id,
+                    "rank": rank,
+                    "run_id": attempt["run_id"],
+                    "stage": attempt["stage"],
+                    **fields,
+                }
             )
 
 
-def record_error(db, attempt_id: int, *, rank: int | None, type: str, message: str, traceback: str,
-                 time_: float, root_cause: bool, source: str, pid: int | None = None,
-                 host: str | None = None, path: str | None = None, role: str | None = None,
-                 tp_rank: int | None = None) -> int:
+def record_error(
+    db,
+    attempt_id: int,
+    *,
+    rank: int | None,
+    type: str,
+    message: str,
+    traceback: str,
+    time_: float,
+    root_cause: bool,
+    source: str,
+    pid: int | None = None,
+    host: str | None = None,
+    path: str | None = None,
+    role: str | None = None,
+    tp_rank: int | None = None,
+) -> int:
     """Record one rank's failure. An empty message is kept empty: type and traceback say enough.
     A tensor-parallel worker's failure carries role "tp-worker" and its tp_rank."""
     attempt = db["attempts"].get(attempt_id)
     with db.atomic():
-        return db["errors"].insert(
-            {
-                "run_id": attempt["run_id"], "stage": attempt["stage"], "attempt_id": attempt_id,
-                "attempt": attempt["number"], "rank": rank, "pid": pid, "host": host, "type": type,
-                "message": message, "traceback": traceback, "time": time_,
-                "root_cause": int(root_cause), "source": source, "path": path, "role": role,
-                "tp_rank": tp_rank,
-            }
-        ).last_pk
+        return (
+            db["errors"]
+            .insert(
+                {
+                    "run_id": attempt["run_id"],
+                    "stage": attempt["stage"],
+                    "attempt_id": attempt_id,
+                    "attempt": attempt["number"],
+                    "rank": rank,
+                    "pid": pid,
+                    "host": host,
+                    "type": type,
+                    "message": message,
+                    "traceback": traceback,
+                    "time": time_,
+                    "root_cause": int(root_cause),
+                    "source": source,
+                    "path": path,
+                    "role": role,
+                    "tp_rank": tp_rank,
+                }
+            )
+            .last_pk
+        )
 
 
 def insert_metrics(db, rows: list[dict[str, Any]]) -> None:
@@ -261,21 +333,25 @@ def write_metrics(db, buf: dict) -> None:
     fields, and the stages' and runs' roll-ups (buf["stages"]: attempt id -> (run id, stage))."""
     insert_metrics(db, buf["rows"])
     for (attempt_id, rank), fields in buf["ranks"].items():
-        db.execute("UPDATE ranks SET " + ", ".join(f"{k} = ?" for k in fields) + " WHERE attempt_id = ? AND rank = ?",
-                   [*fields.values(), attempt_id, rank])
+        db.execute(
+            "UPDATE ranks SET " + ", ".join(f"{k} = ?" for k in fields) + " WHERE attempt_id = ? AND rank = ?",
+            [*fields.values(), attempt_id, rank],
+        )
     for attempt_id, (run_id, stage) in buf["stages"].items():
         # History keeps the steady figure: the sum of the ranks' mean rates over the
         # attempt, not the instantaneous rate that the live views show.
-        tok_s, peak = db.execute("SELECT sum(tok_s), max(peak_gpu_mem) FROM ranks WHERE attempt_id = ?",
-                                 [attempt_id]).fetchone()
+        tok_s, peak = db.execute(
+            "SELECT sum(tok_s), max(peak_gpu_mem) FROM ranks WHERE attempt_id = ?", [attempt_id]
+        ).fetchone()
         if tok_s is not None:
             db.execute("UPDATE stages SET tok_s = ? WHERE run_id = ? AND name = ?", [tok_s, run_id, stage])
             db.execute("UPDATE runs SET tok_s = ? WHERE id = ?", [tok_s, run_id])
         if peak is not None:
-            db.execute("UPDATE stages SET peak_gpu_mem = max(coalesce(peak_gpu_mem, 0), ?) "
-                       "WHERE run_id = ? AND name = ?", [peak, run_id, stage])
-            db.execute("UPDATE runs SET peak_gpu_mem = max(coalesce(peak_gpu_mem, 0), ?) WHERE id = ?",
-                       [peak, run_id])
+            db.execute(
+                "UPDATE stages SET peak_gpu_mem = max(coalesce(peak_gpu_mem, 0), ?) WHERE run_id = ? AND name = ?",
+                [peak, run_id, stage],
+            )
+            db.execute("UPDATE runs SET peak_gpu_mem = max(coalesce(peak_gpu_mem, 0), ?) WHERE id = ?", [peak, run_id])
 
 
 def prune_metrics(db, *, max_age_s: float, max_rows: int, now: float | None = None) -> int:

@@ -28,8 +28,10 @@ def layer_id_errors(value: Any, n: int | None) -> list[str]:
         errors.append(f"{len(value)} id given; list at least 2 (EAGLE-3 fuses several layers), e.g. [2, N//2, N-3, N]")
     for v in value:
         if n is not None and not 0 <= v <= n:
-            errors.append(f"{v} is out of range 0..{n} for a {n}-layer target; "
-                          f"use ids from 0 to {n} ({n} is the final pre-norm output)")
+            errors.append(
+                f"{v} is out of range 0..{n} for a {n}-layer target; "
+                f"use ids from 0 to {n} ({n} is the final pre-norm output)"
+            )
         elif v < 0:
             errors.append(f"{v} is out of range; layer ids count from 0")
     # The suggested fix keeps only the ids that are in range.

@@ -38,10 +38,15 @@ class ConfigError(ValueError):
 _TOML_TYPES = {bool: "boolean", int: "integer", float: "float", str: "string", list: "array", tuple: "array"}
 
 # What a strict type error expected, in TOML's words; the plural names the items of an array.
-_EXPECTED = {"int_type": ("an integer", "integers"), "float_type": ("a number", "numbers"),
-             "string_type": ("a string", "strings"), "bool_type": ("true or false", "true or false"),
-             "dict_type": ("a table", "tables"), "list_type": ("an array", "arrays"),
-             "tuple_type": ("an array", "arrays")}
+_EXPECTED = {
+    "int_type": ("an integer", "integers"),
+    "float_type": ("a number", "numbers"),
+    "string_type": ("a string", "strings"),
+    "bool_type": ("true or false", "true or false"),
+    "dict_type": ("a table", "tables"),
+    "list_type": ("an array", "arrays"),
+    "tuple_type": ("an array", "arrays"),
+}
 _RANGE = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"}
 
 
@@ -114,8 +119,11 @@ def explain(model: type[BaseModel], err: dict[str, Any]) -> list[tuple[str, str]
         if not isinstance(value, str):
             return [(key, f"expected a string, got {describe(value)}; use one of: {', '.join(choices)}")]
         close = difflib.get_close_matches(value, choices, n=1)
-        hint = f"did you mean '{close[0]}'? (one of: {', '.join(choices)})" if close else \
-            f"use one of: {', '.join(choices)}"
+        hint = (
+            f"did you mean '{close[0]}'? (one of: {', '.join(choices)})"
+            if close
+            else f"use one of: {', '.join(choices)}"
+        )
         return [(key, f"unknown value '{value}'; {hint}")]
     if kind in _RANGE and field is not None:
         return [(key, _out_of_range(field, value))]
@@ -131,7 +139,7 @@ class Report:
     """Collects one line per mistake instead of raising, so that one pass reports them all."""
 
     def __init__(self, source: str | None):
-        self.source = source            # the file; None: lines start at the key
+        self.source = source  # the file; None: lines start at the key
         self.errors: list[str] = []
         self.rejected: set[str] = set()  # full keys whose values failed their checks
 
@@ -154,8 +162,14 @@ class Report:
             else:
                 self.error(f"{prefix}{key}", f"unknown key; valid keys: {', '.join(allowed)}")
 
-    def table(self, model: type[BaseModel], table: dict, prefix: str, context: dict | None = None,
-              none_hint: str | None = None) -> Any:
+    def table(
+        self,
+        model: type[BaseModel],
+        table: dict,
+        prefix: str,
+        context: dict | None = None,
+        none_hint: str | None = None,
+    ) -> Any:
         """`table` (its keys under `prefix`, e.g. "train.") as a `model`, its mistakes recorded.
 
         A rejected value takes its default, so that the checks that follow still run on the rest
@@ -172,7 +186,7 @@ class Report:
                 self.error(f"{prefix}{key}" if key else prefix.rstrip("."), text)
         bad = {e["loc"][0] for e in errors if e["loc"]}
         self.rejected.update(f"{prefix}{k}" for k in bad)
-        if not bad:     # a check across the keys failed: it was reported above
+        if not bad:  # a check across the keys failed: it was reported above
             return None
         try:
             return model.model_validate({k: v for k, v in known.items() if k not in bad}, context=context)
@@ -206,9 +220,10 @@ def read_toml(path: str | os.PathLike) -> dict[str, Any]:
         msg = str(exc)
         m = _TOML_WHERE.search(msg)
         if m:
-            where, msg = f"line {m.group(1)}, column {m.group(2)}", msg[:m.start()]
+            where, msg = f"line {m.group(1)}, column {m.group(2)}", msg[: m.start()]
         else:
             where = f"line {max(1, len(text.splitlines()))} (end of file)"
             msg = msg.replace(" (at end of document)", "")
-        raise ConfigError([f"{source}: {where}: TOML syntax error: {msg}; fix the syntax there "
-                           "(see https://toml.io)"]) from None
+        raise ConfigError(
+            [f"{source}: {where}: TOML syntax error: {msg}; fix the syntax there (see https://toml.io)"]
+        ) from None

@@ -36,8 +36,7 @@ def eyas_cli():
     def run(home: Path, *args, timeout: float = 60) -> subprocess.CompletedProcess:
         env = {**os.environ, "TZ": "UTC"}
         env.pop("EYAS_HOME", None)
-        p = subprocess.run([EYAS, "--home", str(home), *map(str, args)], capture_output=True, env=env,
-                           timeout=timeout)
+        p = subprocess.run([EYAS, "--home", str(home), *map(str, args)], capture_output=True, env=env, timeout=timeout)
         return subprocess.CompletedProcess(p.args, p.returncode, p.stdout.decode(), p.stderr.decode())
 
     return run

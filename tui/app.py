@@ -47,9 +47,17 @@ class EyasApp(App):
 
     link_status: var[LinkStatus] = var(LinkStatus(False, False, "not connected yet", 0, None))
 
-    def __init__(self, home: Path | None = None, *, run_id: int | None = None, readonly: bool = False,
-                 socket: Path | None = None, clock: Callable[[], float] = time.time, connect: bool = True,
-                 batch_interval: float = 0.25):
+    def __init__(
+        self,
+        home: Path | None = None,
+        *,
+        run_id: int | None = None,
+        readonly: bool = False,
+        socket: Path | None = None,
+        clock: Callable[[], float] = time.time,
+        connect: bool = True,
+        batch_interval: float = 0.25,
+    ):
         super().__init__()
         self.home = Path(home) if home is not None else paths.state_dir()
         self.start_run = run_id
@@ -57,8 +65,12 @@ class EyasApp(App):
         self.history = History(self.home, clock)
         self.live = Live()
         self.connect = connect
-        self.link = DaemonLink(socket if socket is not None else lambda: paths.find_socket(self.home),
-                               self._on_status, self._on_batch, batch_interval=batch_interval)
+        self.link = DaemonLink(
+            socket if socket is not None else lambda: paths.find_socket(self.home),
+            self._on_status,
+            self._on_batch,
+            batch_interval=batch_interval,
+        )
 
     async def on_mount(self) -> None:
         if self.connect:
@@ -123,8 +135,9 @@ class EyasApp(App):
                 continue
             seen.add(b.action)
             node = active.node
-            yield SystemCommand(b.description, f"{b.description} (key: {b.key_display or key})",
-                                partial(node.run_action, b.action))
+            yield SystemCommand(
+                b.description, f"{b.description} (key: {b.key_display or key})", partial(node.run_action, b.action)
+            )
 
 
 async def _wait(event, timeout: float) -> None:

@@ -53,7 +53,7 @@ def sparkline(values: list[float], width: int, top: float | None = None, style: 
         return Text(" " * width)
     if len(values) > width:
         per = len(values) / width
-        values = [max(values[int(i * per):max(int((i + 1) * per), int(i * per) + 1)]) for i in range(width)]
+        values = [max(values[int(i * per) : max(int((i + 1) * per), int(i * per) + 1)]) for i in range(width)]
     lo, hi = (0.0, top) if top else (min(values), max(values))
     n = len(_BARS) - 1
     if hi - lo <= 0:

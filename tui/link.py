@@ -25,8 +25,8 @@ TOPICS = ("state", "metric")
 class LinkStatus:
     connected: bool
     ever_connected: bool  # False: the daemon was down from the start
-    message: str          # why we are disconnected ("" when connected)
-    attempts: int         # failed attempts since the last success
+    message: str  # why we are disconnected ("" when connected)
+    attempts: int  # failed attempts since the last success
     retry_in: float | None
     gpu: bool | None = None  # the daemon's sampler sees GPUs (None when unknown)
     full: str | None = None  # what failed, while the daemon's state directory is full
@@ -34,9 +34,17 @@ class LinkStatus:
 
 
 class DaemonLink:
-    def __init__(self, path: Path | Callable[[], Path], on_status: Callable[[LinkStatus], None],
-                 on_batch: Callable[[list[Event]], None], *, batch_interval: float = 0.25,
-                 min_backoff: float = 0.25, max_backoff: float = 5.0, timeout: float = 10.0):
+    def __init__(
+        self,
+        path: Path | Callable[[], Path],
+        on_status: Callable[[LinkStatus], None],
+        on_batch: Callable[[list[Event]], None],
+        *,
+        batch_interval: float = 0.25,
+        min_backoff: float = 0.25,
+        max_backoff: float = 5.0,
+        timeout: float = 10.0,
+    ):
         # A callable is asked again before each attempt: the daemon may have moved its socket
         # (its runtime directory was removed) since the last connection.
         self._locate = path if callable(path) else None
@@ -63,8 +71,10 @@ class DaemonLink:
     async def request(self, op: str, **args: Any) -> Any:
         """One request to the daemon; DaemonNotRunning when it is not connected."""
         if not self.connected:
-            raise DaemonNotRunning(self.path or "", "not connected to the eyas daemon; controls come back when it does "
-                                              "(start it with `eyas daemon start`)")
+            raise DaemonNotRunning(
+                self.path or "",
+                "not connected to the eyas daemon; controls come back when it does (start it with `eyas daemon start`)",
+            )
         return await self.client.request(op, **args)
 
     def retry_now(self) -> None:
@@ -88,8 +98,18 @@ class DaemonLink:
                 info = await client.request("status")
                 self.client = client
                 ever, attempts, delay = True, 0, self.min_backoff
-                self._set(LinkStatus(True, True, "", 0, None, info.get("gpu"), _full_text(info.get("full")),
-                                     _busy_text(info.get("store_busy"))))
+                self._set(
+                    LinkStatus(
+                        True,
+                        True,
+                        "",
+                        0,
+                        None,
+                        info.get("gpu"),
+                        _full_text(info.get("full")),
+                        _busy_text(info.get("store_busy")),
+                    )
+                )
                 self.first_attempt.set()
                 async for ev in sub:
                     if ev.event == "state" and ev.data.get("entity") == "daemon":

@@ -24,10 +24,10 @@ WINDOW_S = 300.0
 class Changes:
     """What a batch of events touched."""
 
-    runs: set[int] = field(default_factory=set)       # runs with a state change
-    metrics: set[int] = field(default_factory=set)    # runs with new metric samples
+    runs: set[int] = field(default_factory=set)  # runs with a state change
+    metrics: set[int] = field(default_factory=set)  # runs with new metric samples
     any_state: bool = False
-    overflow: bool = False                            # events were dropped: re-read everything
+    overflow: bool = False  # events were dropped: re-read everything
 
     def touches(self, run_id: int | None) -> bool:
         return self.overflow or run_id is None or run_id in self.runs or run_id in self.metrics
@@ -35,8 +35,8 @@ class Changes:
 
 class Live:
     def __init__(self) -> None:
-        self.stage: dict[tuple[int, str], dict] = {}   # (run, stage) -> live roll-up
-        self.samples: dict[tuple, deque] = {}           # (run, stage, attempt, rank, name) -> (t, v)
+        self.stage: dict[tuple[int, str], dict] = {}  # (run, stage) -> live roll-up
+        self.samples: dict[tuple, deque] = {}  # (run, stage, attempt, rank, name) -> (t, v)
         self.received = 0
 
     def apply(self, events: list[Event]) -> Changes:
@@ -85,8 +85,9 @@ class Live:
     def names(self, run_id: int, stage: str, attempt: int) -> set[str]:
         return {k[4] for k in self.samples if k[:3] == (run_id, stage, attempt)}
 
-    def series(self, run_id: int, stage: str, attempt: int, rank: int | None, name: str,
-               now: float | None = None) -> list[tuple[float, float]]:
+    def series(
+        self, run_id: int, stage: str, attempt: int, rank: int | None, name: str, now: float | None = None
+    ) -> list[tuple[float, float]]:
         q = self.samples.get((run_id, stage, attempt, rank, name))
         if not q:
             return []

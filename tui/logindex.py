@@ -28,6 +28,7 @@ MAX_SHOWN = 64 << 10
 # a per-block checkpoint answers, so a log of a million unstamped lines stays cheap.
 BLOCK = 256
 
+
 def parse_stamp(line: str, year: str, monthday: str) -> str | None:
     """The sortable local time a line starts with, or None (eyas.state.logtime)."""
     return stamp(line, year, monthday)
@@ -166,14 +167,14 @@ class LogFile:
             if first >= last or self._fd is None:
                 return []
             fd = self._fd
-            bounds = self._starts[first:last + 1].tolist()
+            bounds = self._starts[first : last + 1].tolist()
             if len(bounds) < last - first + 1:
                 bounds.append(self._scanned)  # the last line has no newline yet
         starts, ends = bounds[:-1], bounds[1:]
         if ends[-1] - starts[0] <= CHUNK * 2:
             blob = os.pread(fd, ends[-1] - starts[0], starts[0])
             base = starts[0]
-            return [_shown(blob[s - base:min(e, s + MAX_SHOWN) - base], e - s) for s, e in zip(starts, ends)]
+            return [_shown(blob[s - base : min(e, s + MAX_SHOWN) - base], e - s) for s, e in zip(starts, ends)]
         return [_shown(os.pread(fd, min(e - s, MAX_SHOWN), s), e - s) for s, e in zip(starts, ends)]
 
     def line(self, i: int) -> str:

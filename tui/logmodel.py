@@ -208,5 +208,7 @@ class MergedModel:
         if i >= src.count():
             return self.total()
         pivot = src.key(i)
-        return sum(i if s == src_i else self._count_below(s, pivot, 0, self.sources[s].count())
-                   for s in range(len(self.sources)))
+        return sum(
+            i if s == src_i else self._count_below(s, pivot, 0, self.sources[s].count())
+            for s in range(len(self.sources))
+        )

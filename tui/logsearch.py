@@ -26,8 +26,9 @@ def compile_filter(text: str) -> re.Pattern:
     try:
         return re.compile(text, re.MULTILINE)
     except re.error as exc:
-        raise ValueError(f"filter {text!r} is not a regular expression ({exc}); escape special characters "
-                         "with a backslash") from None
+        raise ValueError(
+            f"filter {text!r} is not a regular expression ({exc}); escape special characters with a backslash"
+        ) from None
 
 
 class Scan:

@@ -36,9 +36,16 @@ class ProcWatch:
                 p = self._procs[kid.pid] = kid
             try:
                 with p.oneshot():
-                    out.append({"pid": p.pid, "name": p.name(), "status": p.status(),
-                                "cpu_percent": p.cpu_percent(interval=None), "rss": p.memory_info().rss,
-                                "created": p.create_time()})
+                    out.append(
+                        {
+                            "pid": p.pid,
+                            "name": p.name(),
+                            "status": p.status(),
+                            "cpu_percent": p.cpu_percent(interval=None),
+                            "rss": p.memory_info().rss,
+                            "created": p.create_time(),
+                        }
+                    )
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 self._procs.pop(kid.pid, None)
         out.sort(key=lambda d: (d["created"], d["pid"]))

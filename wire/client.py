@@ -25,7 +25,9 @@ MAX_INCOMING = 4 * protocol.MAX_LINE
 
 class DaemonNotRunning(ConnectionError):
     def __init__(self, path: Path | str, message: str | None = None):
-        super().__init__(message or f"eyas daemon is not running (no socket at {path}); start it with `eyas daemon start`")
+        super().__init__(
+            message or f"eyas daemon is not running (no socket at {path}); start it with `eyas daemon start`"
+        )
         self.path = Path(path)
 
 
@@ -40,12 +42,14 @@ class DaemonError(RuntimeError):
 
 def _default_path() -> Path:
     from eyas.state import paths  # imported here so that a given path needs no state dir
+
     return paths.find_socket()
 
 
 def _lost(path: Path) -> DaemonNotRunning:
-    return DaemonNotRunning(path, f"eyas daemon closed the connection on {path} (did it stop?); "
-                                  "check with `eyas daemon status`")
+    return DaemonNotRunning(
+        path, f"eyas daemon closed the connection on {path} (did it stop?); check with `eyas daemon status`"
+    )
 
 
 def _subscribe_args(topics: str | Iterable[str], filters: dict[str, Any]) -> dict[str, Any]:
@@ -57,8 +61,9 @@ def _subscribe_args(topics: str | Iterable[str], filters: dict[str, Any]) -> dic
 def _encode(req: Request) -> bytes:
     line = req.encode()
     if len(line) > protocol.MAX_LINE:
-        raise DaemonError(protocol.TOO_LARGE, f"request {req.op!r} is {len(line)} bytes; the daemon takes at most "
-                                              f"{protocol.MAX_LINE}")
+        raise DaemonError(
+            protocol.TOO_LARGE, f"request {req.op!r} is {len(line)} bytes; the daemon takes at most {protocol.MAX_LINE}"
+        )
     return line
 
 
@@ -101,7 +106,9 @@ class _SyncConn:
             raise DaemonNotRunning(path) from None
         except PermissionError:
             self.sock.close()
-            raise PermissionError(f"eyas daemon socket {path}: permission denied (it belongs to another user)") from None
+            raise PermissionError(
+                f"eyas daemon socket {path}: permission denied (it belongs to another user)"
+            ) from None
         except BaseException:
             self.sock.close()
             raise
@@ -329,7 +336,9 @@ class AsyncClient:
         except (FileNotFoundError, ConnectionRefusedError):
             raise DaemonNotRunning(self.path) from None
         except PermissionError:
-            raise PermissionError(f"eyas daemon socket {self.path}: permission denied (it belongs to another user)") from None
+            raise PermissionError(
+                f"eyas daemon socket {self.path}: permission denied (it belongs to another user)"
+            ) from None
         self._lost = None
         self._reader_task = asyncio.create_task(self._read_loop(reader))
         return self

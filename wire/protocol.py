@@ -49,8 +49,8 @@ NOT_FOUND = "not_found"
 ILLEGAL = "illegal_transition"
 INVALID_CONFIG = "invalid_config"
 INTERNAL = "internal"
-STATE_FULL = "state_full"      # the state directory is full: nothing was done, try again later
-STORE_BUSY = "store_busy"      # another process holds the database locked: nothing was done, try again
+STATE_FULL = "state_full"  # the state directory is full: nothing was done, try again later
+STORE_BUSY = "store_busy"  # another process holds the database locked: nothing was done, try again
 
 
 class ProtocolError(ValueError):
@@ -114,7 +114,9 @@ def parse_request(line: bytes) -> Request:
     if not isinstance(obj, dict):
         raise ProtocolError(BAD_REQUEST, "a request must be a JSON object")
     if obj.get("v") != VERSION:
-        raise ProtocolError(VERSION_MISMATCH, f"protocol version {obj.get('v')!r} is not supported (this daemon speaks {VERSION})")
+        raise ProtocolError(
+            VERSION_MISMATCH, f"protocol version {obj.get('v')!r} is not supported (this daemon speaks {VERSION})"
+        )
     if "id" not in obj or not isinstance(obj["id"], (int, str)) or isinstance(obj["id"], bool):
         raise ProtocolError(BAD_REQUEST, "a request needs an integer or string 'id'")
     op = obj.get("op")
@@ -131,5 +133,10 @@ def parse_message(line: bytes) -> Reply | Event:
     obj = json.loads(line)
     if "event" in obj:
         return Event(sub=obj["sub"], event=obj["event"], data=obj.get("data") or {}, v=obj.get("v", VERSION))
-    return Reply(id=obj.get("id"), ok=bool(obj.get("ok")), result=obj.get("result"), error=obj.get("error"),
-                 v=obj.get("v", VERSION))
+    return Reply(
+        id=obj.get("id"),
+        ok=bool(obj.get("ok")),
+        result=obj.get("result"),
+        error=obj.get("error"),
+        v=obj.get("v", VERSION),
+    )

@@ -72,8 +72,9 @@ class JsonFakeNvml:
         try:
             st = self.path.stat()
         except FileNotFoundError:
-            raise ValueError(f"{FAKE_ENV}={self.path}: no such file; write the fake GPU JSON there "
-                             "or unset the variable") from None
+            raise ValueError(
+                f"{FAKE_ENV}={self.path}: no such file; write the fake GPU JSON there or unset the variable"
+            ) from None
         stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
         if stamp != self._stamp:
             try:
@@ -83,8 +84,7 @@ class JsonFakeNvml:
             except (OSError, ValueError) as exc:
                 if self._stamp is not None:
                     return self._data  # caught mid-write: keep the last good copy, retry next call
-                raise ValueError(f"{FAKE_ENV}={self.path}: not valid fake NVML JSON ({exc}); "
-                                 "fix the file") from None
+                raise ValueError(f"{FAKE_ENV}={self.path}: not valid fake NVML JSON ({exc}); fix the file") from None
             self._data, self._stamp = data, stamp
         return self._data
 
@@ -148,8 +148,9 @@ class JsonFakeNvml:
 
     def _processes(self, handle: int, key: str) -> list[SimpleNamespace]:
         # "mem": null stands for NVML_VALUE_NOT_AVAILABLE, which pynvml reports as None.
-        return [SimpleNamespace(pid=int(p["pid"]), usedGpuMemory=p.get("mem"))
-                for p in self._device(handle).get(key, [])]
+        return [
+            SimpleNamespace(pid=int(p["pid"]), usedGpuMemory=p.get("mem")) for p in self._device(handle).get(key, [])
+        ]
 
 
 class GpuProbe:
@@ -214,9 +215,14 @@ class GpuProbe:
             try:
                 h = self._handle(i)
                 mem = self.nvml.nvmlDeviceGetMemoryInfo(h)
-                row = {"index": i, "name": _text(self.nvml.nvmlDeviceGetName(h)),
-                       "uuid": _text(self.nvml.nvmlDeviceGetUUID(h)),
-                       "mem_used": int(mem.used), "mem_total": int(mem.total), "util_gpu": None}
+                row = {
+                    "index": i,
+                    "name": _text(self.nvml.nvmlDeviceGetName(h)),
+                    "uuid": _text(self.nvml.nvmlDeviceGetUUID(h)),
+                    "mem_used": int(mem.used),
+                    "mem_total": int(mem.total),
+                    "util_gpu": None,
+                }
             except err as exc:
                 self._once(i, "device query failed", exc)
                 continue

@@ -43,8 +43,9 @@ def main() -> int:
     received = Counter()
     stop = threading.Event()
     try:
-        run_id = d.submit(selftest_toml("flood", ranks=RANKS, options={
-            "lines_per_sec": RATE, "duration": seconds, "step_time": 0.5}))
+        run_id = d.submit(
+            selftest_toml("flood", ranks=RANKS, options={"lines_per_sec": RATE, "duration": seconds, "step_time": 0.5})
+        )
         client = Client(d.socket, timeout=None)
         events = client.subscribe(["log"], run=run_id)
 
@@ -64,7 +65,7 @@ def main() -> int:
         reader.start()
         pids = wait_for(lambda: (p := [r["pid"] for r in d.ranks(run_id)]) and len(p) == RANKS and all(p) and p, 60)
         ranks = [psutil.Process(p) for p in pids]
-        monitors = [p.parent() for p in ranks]   # each rank's monitor, which also bounds its log
+        monitors = [p.parent() for p in ranks]  # each rank's monitor, which also bounds its log
         time.sleep(1.0)  # past start-up, into the flood
         t0, d0 = time.monotonic(), cpu_seconds(daemon_proc)
         r0 = sum(cpu_seconds(p) for p in ranks)
@@ -94,13 +95,19 @@ def main() -> int:
     lat_max = max(latencies) if latencies else float("inf")
     lat_p99 = statistics.quantiles(latencies, n=100)[98] if len(latencies) > 100 else lat_max
     print(f"{RANKS} ranks x {RATE:,} lines/s for {seconds:.0f} s ({run['state']}); measured over {wall:.1f} s")
-    print(f"  daemon CPU / wall:   {share:.3f}  (target <= {CPU_TARGET:.2f}: {'PASS' if share <= CPU_TARGET else 'FAIL'})")
-    print(f"  ranks' CPU / wall:   {ranks_cpu / wall:.2f}  (daemon/ranks CPU ratio {daemon_cpu / max(ranks_cpu, 1e-9):.3f})")
+    print(
+        f"  daemon CPU / wall:   {share:.3f}  (target <= {CPU_TARGET:.2f}: {'PASS' if share <= CPU_TARGET else 'FAIL'})"
+    )
+    print(
+        f"  ranks' CPU / wall:   {ranks_cpu / wall:.2f}  (daemon/ranks CPU ratio {daemon_cpu / max(ranks_cpu, 1e-9):.3f})"
+    )
     print(f"  monitors' CPU / wall: {monitors_cpu / wall:.4f}  (all {RANKS} together)")
     print(f"  every line in its log exactly once: {'PASS' if complete else 'FAIL'}")
-    print(f"  subscriber latency:  p99 {lat_p99 * 1000:.0f} ms, max {lat_max * 1000:.0f} ms over {len(latencies)} chunks, "
-          f"{sum(received.values()):,} lines streamed (target max <= {LATENCY_TARGET:.0f} s: "
-          f"{'PASS' if lat_max <= LATENCY_TARGET else 'FAIL'})")
+    print(
+        f"  subscriber latency:  p99 {lat_p99 * 1000:.0f} ms, max {lat_max * 1000:.0f} ms over {len(latencies)} chunks, "
+        f"{sum(received.values()):,} lines streamed (target max <= {LATENCY_TARGET:.0f} s: "
+        f"{'PASS' if lat_max <= LATENCY_TARGET else 'FAIL'})"
+    )
     return 0 if share <= CPU_TARGET and complete and lat_max <= LATENCY_TARGET else 1
 
 

@@ -53,8 +53,16 @@ def kimi_run(root: Path) -> Path:
     build_tokenizer(tok)
     target = make_model(root, "kimi", tok)
     nvml = root / "nvml.json"
-    nvml.write_text(json.dumps({"devices": [{"name": "NVIDIA H200", "uuid": f"GPU-{i}", "mem_total": 150 * 10**9,
-                                             "mem_used": 10**9} for i in range(8)]}))
+    nvml.write_text(
+        json.dumps(
+            {
+                "devices": [
+                    {"name": "NVIDIA H200", "uuid": f"GPU-{i}", "mem_total": 150 * 10**9, "mem_used": 10**9}
+                    for i in range(8)
+                ]
+            }
+        )
+    )
     return write_run(root, target)
 
 
@@ -80,8 +88,10 @@ def main() -> int:
             return 1
         report = json.loads(proc.stdout)
         times.append(seconds)
-        print(f"eyas doctor (Kimi-shaped, {len(report['checks'])} checks, all {report['verdict']}): "
-              f"run {i + 1}: {seconds:.2f} s (in-process {report['seconds']:.2f} s)")
+        print(
+            f"eyas doctor (Kimi-shaped, {len(report['checks'])} checks, all {report['verdict']}): "
+            f"run {i + 1}: {seconds:.2f} s (in-process {report['seconds']:.2f} s)"
+        )
     best = min(times)
     print(f"eyas doctor best of {len(times)}: {best:.2f} s (budget {BUDGET_S:.0f} s)")
     if not args.no_vllm:
@@ -97,8 +107,10 @@ def main() -> int:
             print(f"the vLLM load exited {proc.returncode}")
             return 1
         up = next((line.split()[1] for line in proc.stdout.splitlines() if line.startswith("ENGINE_UP")), "?")
-        print(f"vLLM loads the tiny same-shaped model (DeepseekV2Model, CPU build): {seconds:.2f} s whole process "
-              f"({up} s to engine up)")
+        print(
+            f"vLLM loads the tiny same-shaped model (DeepseekV2Model, CPU build): {seconds:.2f} s whole process "
+            f"({up} s to engine up)"
+        )
         print(f"ratio: the vLLM load takes {seconds / best:.1f}x the doctor's time")
     if best > BUDGET_S:
         print(f"FAIL: eyas doctor took {best:.2f} s, over the {BUDGET_S:.0f} s budget")

@@ -39,9 +39,20 @@ def spec(target: Path):
 
     rng = random.Random(0)
     prompts = [[rng.randrange(8, 500) for _ in range(rng.randint(16, 48))] for _ in range(30)]
-    return Spec(label="target", target=str(target), draft=None, num_speculative_tokens=3, dtype="float32",
-                tensor_parallel_size=1, trust_remote_code=False, prompts=prompts, max_tokens=64, max_num_seqs=16,
-                enforce_eager=True, cpu_mla=True)
+    return Spec(
+        label="target",
+        target=str(target),
+        draft=None,
+        num_speculative_tokens=3,
+        dtype="float32",
+        tensor_parallel_size=1,
+        trust_remote_code=False,
+        prompts=prompts,
+        max_tokens=64,
+        max_num_seqs=16,
+        enforce_eager=True,
+        cpu_mla=True,
+    )
 
 
 def stage_env(target: Path) -> dict[str, str]:
@@ -58,7 +69,7 @@ def run_once(s, work: Path, env: dict[str, str]) -> dict:
     t0 = time.monotonic()
     devnull = os.open(os.devnull, os.O_WRONLY)
     saved = os.dup(1)
-    os.dup2(devnull, 1)        # the child's vLLM log passes through our stdout: keep the figures readable
+    os.dup2(devnull, 1)  # the child's vLLM log passes through our stdout: keep the figures readable
     try:
         res = measure(s, work, env, timeout=600)
     finally:
@@ -88,15 +99,22 @@ def main() -> int:
         for side, env in envs.items():
             res = run_once(s, CACHE / "work" / side, env)
             sides[side].append(res)
-            print(f"run {i + 1} {side:8s}: whole measurement {res['wall']:6.1f} s, engine up {res['load_seconds']:5.1f} s, "
-                  f"timed run {res['tok_s']:7.1f} tok/s", flush=True)
+            print(
+                f"run {i + 1} {side:8s}: whole measurement {res['wall']:6.1f} s, engine up {res['load_seconds']:5.1f} s, "
+                f"timed run {res['tok_s']:7.1f} tok/s",
+                flush=True,
+            )
     best = {side: min(r["wall"] for r in runs) for side, runs in sides.items()}
     tok_s = {side: max(r["tok_s"] for r in runs) for side, runs in sides.items()}
     same = all(r["token_ids"] == sides["default"][0]["token_ids"] for runs in sides.values() for r in runs)
-    print(f"whole measurement, best: default {best['default']:.1f} s, eyas {best['eyas']:.1f} s: "
-          f"ratio default/eyas = {best['default'] / best['eyas']:.2f} (target > 1)")
-    print(f"timed run, best: eyas {tok_s['eyas']:.1f} tok/s, default {tok_s['default']:.1f} tok/s: "
-          f"ratio eyas/default = {tok_s['eyas'] / tok_s['default']:.2f} (target >= 0.9)")
+    print(
+        f"whole measurement, best: default {best['default']:.1f} s, eyas {best['eyas']:.1f} s: "
+        f"ratio default/eyas = {best['default'] / best['eyas']:.2f} (target > 1)"
+    )
+    print(
+        f"timed run, best: eyas {tok_s['eyas']:.1f} tok/s, default {tok_s['default']:.1f} tok/s: "
+        f"ratio eyas/default = {tok_s['eyas'] / tok_s['default']:.2f} (target >= 0.9)"
+    )
     print(f"greedy outputs identical in every run: {same}")
     return 0 if same else 1
 

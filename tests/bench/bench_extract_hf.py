@@ -31,7 +31,7 @@ from pathlib import Path
 
 HIDDEN, LAYERS, INTERMEDIATE, HEADS = 1024, 16, 2816, 16
 SEQ, BATCH = 512, 4
-LAYER_IDS = (2, 8, 13, 16)      # config.default_layer_ids(16)
+LAYER_IDS = (2, 8, 13, 16)  # config.default_layer_ids(16)
 TARGET_RATIO = 0.90
 CACHE = Path(tempfile.gettempdir()) / "eyas-bench-extract-v1"
 
@@ -47,10 +47,20 @@ def build_target(root: Path) -> Path:
     from eyas.workers.models.assets import build_tokenizer
 
     tok = build_tokenizer(path)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                      num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
-                      head_dim=HIDDEN // HEADS, max_position_embeddings=4096, tie_word_embeddings=False,
-                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        head_dim=HIDDEN // HEADS,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(path)
     return path
@@ -65,13 +75,14 @@ def build_dataset(root: Path, samples: int, vocab: int) -> Path:
         return path
     g = torch.Generator().manual_seed(1)
     rows = torch.randint(8, vocab, (samples, SEQ), generator=g).tolist()
-    datasets.Dataset.from_dict({"input_ids": rows, "loss_mask": [[1] * SEQ] * samples,
-                                "seq_len": [SEQ] * samples}).save_to_disk(str(path))
+    datasets.Dataset.from_dict(
+        {"input_ids": rows, "loss_mask": [[1] * SEQ] * samples, "seq_len": [SEQ] * samples}
+    ).save_to_disk(str(path))
     return path
 
 
 def max_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024     # KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def child(mode: str, target_dir: Path, data_dir: Path, out_dir: Path) -> dict:
@@ -89,7 +100,7 @@ def child(mode: str, target_dir: Path, data_dir: Path, out_dir: Path) -> dict:
     plan = extract_plan.plan_batches(lengths, 1, 0, BATCH)
     rows = ds.with_format(None)
     decoder = target.decoder
-    with torch.inference_mode():     # warm-up: one-time allocations and kernel setup
+    with torch.inference_mode():  # warm-up: one-time allocations and kernel setup
         ids, mask = extract_hf.pad_batch([rows[i]["input_ids"] for i in plan[0]], 0)
         decoder.module(input_ids=ids, attention_mask=mask, use_cache=False)
     rss_loaded = max_rss_mib()
@@ -119,17 +130,37 @@ def child(mode: str, target_dir: Path, data_dir: Path, out_dir: Path) -> dict:
     else:
         raise ValueError(mode)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    return {"mode": mode, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
-            "tok_per_cpu_s": tokens / cpu,
-            "rss_loaded_mib": rss_loaded, "rss_peak_mib": max_rss_mib()}
+    return {
+        "mode": mode,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tok_s": tokens / seconds,
+        "tok_per_cpu_s": tokens / cpu,
+        "rss_loaded_mib": rss_loaded,
+        "rss_peak_mib": max_rss_mib(),
+    }
 
 
 def measure(mode: str, target_dir: Path, data_dir: Path, scratch: Path) -> dict:
     out_dir = scratch / f"out-{mode}"
     shutil.rmtree(out_dir, ignore_errors=True)
-    proc = subprocess.run([sys.executable, __file__, "--child", mode, "--target", str(target_dir),
-                           "--data", str(data_dir), "--out", str(out_dir)],
-                          capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            mode,
+            "--target",
+            str(target_dir),
+            "--data",
+            str(data_dir),
+            "--out",
+            str(out_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{mode} failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -137,8 +168,11 @@ def measure(mode: str, target_dir: Path, data_dir: Path, scratch: Path) -> dict:
         files = len(list(out_dir.glob("hs_*.safetensors")))
         assert files == result["tokens"] // SEQ, f"{mode} wrote {files} files"
     shutil.rmtree(out_dir, ignore_errors=True)
-    print(f"  {mode:5s} {result['tok_s']:8.1f} tok/s  {result['tok_per_cpu_s']:7.1f} tok/CPU-s  {result['seconds']:6.1f} s  "
-          f"RSS after load {result['rss_loaded_mib']:7.0f} MiB, peak {result['rss_peak_mib']:7.0f} MiB", flush=True)
+    print(
+        f"  {mode:5s} {result['tok_s']:8.1f} tok/s  {result['tok_per_cpu_s']:7.1f} tok/CPU-s  {result['seconds']:6.1f} s  "
+        f"RSS after load {result['rss_loaded_mib']:7.0f} MiB, peak {result['rss_peak_mib']:7.0f} MiB",
+        flush=True,
+    )
     return result
 
 
@@ -159,8 +193,11 @@ def main() -> int:
     target_dir = build_target(CACHE)
     vocab = json.loads((target_dir / "config.json").read_text())["vocab_size"]
     data_dir = build_dataset(CACHE, args.samples, vocab)
-    print(f"target: Llama hidden {HIDDEN}, {LAYERS} layers, fp32, {os.cpu_count()} CPUs; "
-          f"{args.samples} samples x {SEQ} tokens, batches of {BATCH}; layer ids {list(LAYER_IDS)}", flush=True)
+    print(
+        f"target: Llama hidden {HIDDEN}, {LAYERS} layers, fp32, {os.cpu_count()} CPUs; "
+        f"{args.samples} samples x {SEQ} tokens, batches of {BATCH}; layer ids {list(LAYER_IDS)}",
+        flush=True,
+    )
     runs: dict[str, list[dict]] = {"bare": [], "eyas": [], "ohs": []}
     with tempfile.TemporaryDirectory(prefix="eyas-bench-") as scratch:
         # A symmetric order, so that a drift in the machine's load favours neither.
@@ -172,14 +209,22 @@ def main() -> int:
     ratio = ours["tok_s"] / bare
     peak_ratio = ours["rss_peak_mib"] / ohs["rss_peak_mib"]
     extra = (ours["rss_peak_mib"] - ours["rss_loaded_mib"], ohs["rss_peak_mib"] - ohs["rss_loaded_mib"])
-    print(f"throughput: eyas {ours['tok_s']:.1f} tok/s / bare forward {bare:.1f} tok/s = {ratio:.3f} "
-          f"(target >= {TARGET_RATIO:.2f}: {'met' if ratio >= TARGET_RATIO else 'MISSED'})")
+    print(
+        f"throughput: eyas {ours['tok_s']:.1f} tok/s / bare forward {bare:.1f} tok/s = {ratio:.3f} "
+        f"(target >= {TARGET_RATIO:.2f}: {'met' if ratio >= TARGET_RATIO else 'MISSED'})"
+    )
     cpu_ratio = max(r["tok_per_cpu_s"] for r in runs["eyas"]) / max(r["tok_per_cpu_s"] for r in runs["bare"])
     print(f"            per CPU-second (less sensitive to other load on the machine): {cpu_ratio:.3f}")
-    print(f"peak RSS:   eyas {ours['rss_peak_mib']:.0f} MiB / output_hidden_states {ohs['rss_peak_mib']:.0f} MiB "
-          f"= {peak_ratio:.3f}")
-    print(f"            above the loaded model: eyas +{extra[0]:.0f} MiB / output_hidden_states +{extra[1]:.0f} MiB "
-          f"= {extra[0] / extra[1]:.3f}" if extra[1] > 0 else "")
+    print(
+        f"peak RSS:   eyas {ours['rss_peak_mib']:.0f} MiB / output_hidden_states {ohs['rss_peak_mib']:.0f} MiB "
+        f"= {peak_ratio:.3f}"
+    )
+    print(
+        f"            above the loaded model: eyas +{extra[0]:.0f} MiB / output_hidden_states +{extra[1]:.0f} MiB "
+        f"= {extra[0] / extra[1]:.3f}"
+        if extra[1] > 0
+        else ""
+    )
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 0 if ratio >= TARGET_RATIO else 1
 

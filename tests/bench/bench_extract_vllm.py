@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 TARGET_RATIO = 0.85
-LAYER_IDS = (2, 4, 5, 8)        # config.default_layer_ids(8)
+LAYER_IDS = (2, 4, 5, 8)  # config.default_layer_ids(8)
 CACHE = Path(tempfile.gettempdir()) / "eyas-bench-extract-vllm-v1"
 
 
@@ -41,7 +41,7 @@ def build(root: Path, samples: int, seq: int) -> tuple[Path, Path]:
 
         assets.build_model(target, "deepseek_v3")
         cfg = json.loads((target / "config.json").read_text())
-        cfg["scoring_func"] = "sigmoid"     # DeepSeek-V3's routing, as transformers runs it
+        cfg["scoring_func"] = "sigmoid"  # DeepSeek-V3's routing, as transformers runs it
         (target / "config.json").write_text(json.dumps(cfg, indent=2))
     data = root / f"data-{samples}x{seq}"
     if not data.exists():
@@ -50,8 +50,9 @@ def build(root: Path, samples: int, seq: int) -> tuple[Path, Path]:
 
         vocab = json.loads((target / "config.json").read_text())["vocab_size"]
         rows = torch.randint(8, vocab, (samples, seq), generator=torch.Generator().manual_seed(1)).tolist()
-        datasets.Dataset.from_dict({"input_ids": rows, "loss_mask": [[1] * seq] * samples,
-                                    "seq_len": [seq] * samples}).save_to_disk(str(data))
+        datasets.Dataset.from_dict(
+            {"input_ids": rows, "loss_mask": [[1] * seq] * samples, "seq_len": [seq] * samples}
+        ).save_to_disk(str(data))
     return target, data
 
 
@@ -72,10 +73,15 @@ def child(tp: int, target: Path, data: Path, batch: int, scratch: Path) -> dict:
     rows = ds.with_format(None)
     prompts = [[TokensPrompt(prompt_token_ids=list(rows[i]["input_ids"])) for i in b] for b in plan]
     model_cfg = read_model_config(target)
-    engine = vllm_backend.Engine.launch(target_path=str(target), dtype="float32", tp=tp, trust_remote_code=False,
-                                        max_len=max(lengths), model_cfg=model_cfg,
-                                        options={"max_num_batched_tokens": batch * max(lengths),
-                                                 "max_num_seqs": batch})
+    engine = vllm_backend.Engine.launch(
+        target_path=str(target),
+        dtype="float32",
+        tp=tp,
+        trust_remote_code=False,
+        max_len=max(lengths),
+        model_cfg=model_cfg,
+        options={"max_num_batched_tokens": batch * max(lengths), "max_num_seqs": batch},
+    )
     params = SamplingParams(max_tokens=1, detokenize=False)
     tokens = sum(lengths)
 
@@ -100,7 +106,7 @@ def child(tp: int, target: Path, data: Path, batch: int, scratch: Path) -> dict:
         shutil.rmtree(hs_dir)
         return rate
 
-    generate()                  # warm-up: first-step allocations and kernel setup, off the clock
+    generate()  # warm-up: first-step allocations and kernel setup, off the clock
     runs = {"generate": [generate()], "eyas": [eyas(1), eyas(2)]}
     runs["generate"].append(generate())
     once = generate_once()
@@ -109,18 +115,36 @@ def child(tp: int, target: Path, data: Path, batch: int, scratch: Path) -> dict:
 
 
 def measure(tp: int, target: Path, data: Path, batch: int, scratch: Path) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--child", str(tp), "--target", str(target), "--data", str(data),
-                           "--batch", str(batch), "--scratch", str(scratch)],
-                          capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            str(tp),
+            "--target",
+            str(target),
+            "--data",
+            str(data),
+            "--batch",
+            str(batch),
+            "--scratch",
+            str(scratch),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"TP={tp} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     gen, ours = max(result["generate"]), max(result["eyas"])
     result["ratio"] = ours / gen
-    print(f"  TP={tp}: generate {gen:8.0f} tok/s  eyas {ours:8.0f} tok/s  ratio {result['ratio']:.3f}   "
-          f"(runs: generate {', '.join(f'{r:.0f}' for r in result['generate'])}; "
-          f"eyas {', '.join(f'{r:.0f}' for r in result['eyas'])}; generate, one call {result['generate_once']:.0f})",
-          flush=True)
+    print(
+        f"  TP={tp}: generate {gen:8.0f} tok/s  eyas {ours:8.0f} tok/s  ratio {result['ratio']:.3f}   "
+        f"(runs: generate {', '.join(f'{r:.0f}' for r in result['generate'])}; "
+        f"eyas {', '.join(f'{r:.0f}' for r in result['eyas'])}; generate, one call {result['generate_once']:.0f})",
+        flush=True,
+    )
     return result
 
 
@@ -142,9 +166,11 @@ def main() -> int:
     CACHE.mkdir(exist_ok=True)
     t0 = time.perf_counter()
     target, data = build(CACHE, args.samples, args.seq)
-    print(f"target: tiny DeepseekV3 (hidden 64, 8 layers, MLA + MoE), fp32, vLLM CPU build, {os.cpu_count()} CPUs; "
-          f"{args.samples} prompts x {args.seq} tokens, batches of {args.batch}; layer ids {list(LAYER_IDS)}",
-          flush=True)
+    print(
+        f"target: tiny DeepseekV3 (hidden 64, 8 layers, MLA + MoE), fp32, vLLM CPU build, {os.cpu_count()} CPUs; "
+        f"{args.samples} prompts x {args.seq} tokens, batches of {args.batch}; layer ids {list(LAYER_IDS)}",
+        flush=True,
+    )
     results = {}
     with tempfile.TemporaryDirectory(prefix="eyas-bench-vllm-") as scratch:
         for tp in args.tp:
@@ -153,11 +179,15 @@ def main() -> int:
     if 1 in results:
         ratio = results[1]["ratio"]
         ok = ratio >= TARGET_RATIO
-        print(f"throughput at TP=1: eyas / prefill-only generate = {ratio:.3f} "
-              f"(target >= {TARGET_RATIO:.2f}: {'met' if ok else 'MISSED'})")
+        print(
+            f"throughput at TP=1: eyas / prefill-only generate = {ratio:.3f} "
+            f"(target >= {TARGET_RATIO:.2f}: {'met' if ok else 'MISSED'})"
+        )
     if 2 in results:
-        print(f"throughput at TP=2: eyas / prefill-only generate = {results[2]['ratio']:.3f} "
-              "(two workers on two cores: a figure, not a target)")
+        print(
+            f"throughput at TP=2: eyas / prefill-only generate = {results[2]['ratio']:.3f} "
+            "(two workers on two cores: a figure, not a target)"
+        )
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 0 if ok else 1
 

@@ -38,44 +38,117 @@ def build(home: Path) -> int:
     for rid in range(1, RUNS + 1):
         created = t0 + rid * 600
         state = "failed" if rid % 10 == 3 else ("succeeded" if rid < RUNS - 5 else "running")
-        runs.append((rid, f"run-{rid}", f"org/model-{rid % 17}", state, "train", f"/cfg/{rid}.toml",
-                     f"/out/{rid}", created, created + 5, None if state == "running" else created + 4000,
-                     rng.uniform(1, 80) * 2**30, rng.uniform(100, 5000)))
+        runs.append(
+            (
+                rid,
+                f"run-{rid}",
+                f"org/model-{rid % 17}",
+                state,
+                "train",
+                f"/cfg/{rid}.toml",
+                f"/out/{rid}",
+                created,
+                created + 5,
+                None if state == "running" else created + 4000,
+                rng.uniform(1, 80) * 2**30,
+                rng.uniform(100, 5000),
+            )
+        )
         for pos, name in enumerate(STAGES):
-            stages.append((rid, name, pos, "succeeded", 1, 0, 8, created + pos * 800, created + pos * 800 + 790,
-                           rng.uniform(100, 5000), rng.uniform(1, 80) * 2**30))
+            stages.append(
+                (
+                    rid,
+                    name,
+                    pos,
+                    "succeeded",
+                    1,
+                    0,
+                    8,
+                    created + pos * 800,
+                    created + pos * 800 + 790,
+                    rng.uniform(100, 5000),
+                    rng.uniform(1, 80) * 2**30,
+                )
+            )
             attempt_id += 1
             adir = str(paths.attempt_dir(rid, name, 1, home))
-            attempts.append((attempt_id, rid, name, 1, "succeeded", adir, 8, "[0,1,2,3,4,5,6,7]",
-                             created + pos * 800, created + pos * 800 + 790))
+            attempts.append(
+                (
+                    attempt_id,
+                    rid,
+                    name,
+                    1,
+                    "succeeded",
+                    adir,
+                    8,
+                    "[0,1,2,3,4,5,6,7]",
+                    created + pos * 800,
+                    created + pos * 800 + 790,
+                )
+            )
             for r in range(RANKS):
-                ranks.append((attempt_id, rid, name, r, 10_000 + r, "exited", 0, rng.uniform(1, 80) * 2**30,
-                              rng.uniform(100, 5000), f"{adir}/rank-{r}.log"))
+                ranks.append(
+                    (
+                        attempt_id,
+                        rid,
+                        name,
+                        r,
+                        10_000 + r,
+                        "exited",
+                        0,
+                        rng.uniform(1, 80) * 2**30,
+                        rng.uniform(100, 5000),
+                        f"{adir}/rank-{r}.log",
+                    )
+                )
             if state == "failed" and name == "train":
-                errors.append((rid, name, attempt_id, 1, 3, "RuntimeError", "", "Traceback\nRuntimeError",
-                               created + 3000, 1, "error_file"))
-                errors.append((rid, name, attempt_id, 1, 0, "SIGTERM", "group teardown", "", created + 3001, 0,
-                               "exit"))
+                errors.append(
+                    (
+                        rid,
+                        name,
+                        attempt_id,
+                        1,
+                        3,
+                        "RuntimeError",
+                        "",
+                        "Traceback\nRuntimeError",
+                        created + 3000,
+                        1,
+                        "error_file",
+                    )
+                )
+                errors.append((rid, name, attempt_id, 1, 0, "SIGTERM", "group teardown", "", created + 3001, 0, "exit"))
     with conn:
         conn.executemany(
             "INSERT INTO runs (id, name, model, state, current_stage, config_path, output_dir, created_at, "
-            "started_at, ended_at, peak_gpu_mem, tok_s) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", runs)
+            "started_at, ended_at, peak_gpu_mem, tok_s) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            runs,
+        )
         conn.executemany(
             "INSERT INTO stages (run_id, name, position, state, attempts, restarts, world_size, started_at, "
-            "ended_at, tok_s, peak_gpu_mem) VALUES (?,?,?,?,?,?,?,?,?,?,?)", stages)
+            "ended_at, tok_s, peak_gpu_mem) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            stages,
+        )
         conn.executemany(
             "INSERT INTO attempts (id, run_id, stage, number, state, dir, world_size, devices, started_at, "
-            "ended_at) VALUES (?,?,?,?,?,?,?,?,?,?)", attempts)
+            "ended_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            attempts,
+        )
         conn.executemany(
             "INSERT INTO ranks (attempt_id, run_id, stage, rank, pid, state, exit_code, peak_gpu_mem, tok_s, "
-            "log_path) VALUES (?,?,?,?,?,?,?,?,?,?)", ranks)
+            "log_path) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            ranks,
+        )
         conn.executemany(
             "INSERT INTO errors (run_id, stage, attempt_id, attempt, rank, type, message, traceback, time, "
-            "root_cause, source) VALUES (?,?,?,?,?,?,?,?,?,?,?)", errors)
+            "root_cause, source) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            errors,
+        )
         names = ("loss", "lr", "tok_s", "gpu_mem")
         conn.executemany(
             "INSERT INTO metrics (time, run_id, stage, attempt, rank, name, value) VALUES (?,?,?,?,?,?,?)",
-            ((t0 + i, RUNS - i // 4000, "train", 1, i % 8, names[i % 4], i * 0.001) for i in range(METRICS)))
+            ((t0 + i, RUNS - i // 4000, "train", 1, i % 8, names[i % 4], i * 0.001) for i in range(METRICS)),
+        )
     conn.close()
     return next(r[0] for r in reversed(runs) if r[3] == "failed")
 
@@ -124,23 +197,29 @@ def main() -> int:
         t = time.perf_counter()
         failed_run = build(home)
         size = paths.db_path(home).stat().st_size / 2**20
-        print(f"set-up: {RUNS:,} runs, {RUNS * len(STAGES) * RANKS:,} ranks, {METRICS:,} metrics "
-              f"in {time.perf_counter() - t:.1f} s ({size:.0f} MiB)")
+        print(
+            f"set-up: {RUNS:,} runs, {RUNS * len(STAGES) * RANKS:,} ranks, {METRICS:,} metrics "
+            f"in {time.perf_counter() - t:.1f} s ({size:.0f} MiB)"
+        )
 
         print("query plans:")
         scans = plans(home, failed_run)
 
         env = {**os.environ, "EYAS_HOME": str(home)}
         # Sanity: the commands return what the store holds.
-        listed = json.loads(subprocess.run([EYAS, "runs", "--json", "--state", "failed"], env=env,
-                                           capture_output=True).stdout)
+        listed = json.loads(
+            subprocess.run([EYAS, "runs", "--json", "--state", "failed"], env=env, capture_output=True).stdout
+        )
         assert len(listed) == RUNS // 10, len(listed)
         bare = timed([sys.executable, "-c", "pass"], env)
         print(f"{'command':42} {'median s':>9} {'x python':>9}  target {TARGET_S} s")
         print(f"{'python -c pass':42} {bare:9.3f} {1.0:9.1f}")
         ok = True
-        for args in (["runs", "--json", "--limit", "50"], ["runs", "--state", "failed", "--json"],
-                     ["show", str(failed_run), "--json"]):
+        for args in (
+            ["runs", "--json", "--limit", "50"],
+            ["runs", "--state", "failed", "--json"],
+            ["show", str(failed_run), "--json"],
+        ):
             wall = timed([EYAS, *args], env)
             passed = wall < TARGET_S
             ok &= passed

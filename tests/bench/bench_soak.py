@@ -59,14 +59,19 @@ def demo_toml(*, output_dir: Path, pipeline: list[str], epochs: int | None = Non
     """The demo's own config with the soak's changes: where it writes, which stages, no automatic
     restart (a restart would hide the failure being counted), and for train soaks no preflight."""
     text = DEMO_TOML.read_text()
-    text = re.sub(r'^pipeline = \[.*\]$', f"pipeline = {json.dumps(pipeline)}", text, count=1, flags=re.M)
-    text = re.sub(r'^name = "demo"$', f'name = "soak"\noutput_dir = "{output_dir}"'
-                  + ("\npreflight = false" if "prepare" not in pipeline else ""), text, count=1, flags=re.M)
+    text = re.sub(r"^pipeline = \[.*\]$", f"pipeline = {json.dumps(pipeline)}", text, count=1, flags=re.M)
+    text = re.sub(
+        r'^name = "demo"$',
+        f'name = "soak"\noutput_dir = "{output_dir}"' + ("\npreflight = false" if "prepare" not in pipeline else ""),
+        text,
+        count=1,
+        flags=re.M,
+    )
     text = re.sub(r'^strategy = "ddp"', f'strategy = "{strategy}"', text, count=1, flags=re.M)
     if epochs is not None:
         text = re.sub(r"^epochs = \d+", f"epochs = {epochs}", text, count=1, flags=re.M)
-    if "train" not in pipeline:     # a [stages.X] table for a stage not in the pipeline is refused
-        text = text[:text.index("[stages.train]")]
+    if "train" not in pipeline:  # a [stages.X] table for a stage not in the pipeline is refused
+        text = text[: text.index("[stages.train]")]
     return re.sub(r"^max_restarts = 1$", "max_restarts = 0", text, count=1, flags=re.M)
 
 
@@ -105,14 +110,20 @@ def measure(d: Daemon, toml: str, kind: str, loaded: bool, timeout: float) -> Ou
     for stage in run["stages"]:
         for attempt in stage["attempt_list"]:
             adir = Path(attempt["dir"])
-            done = {r["rank"]: _json(adir / f"rank-{r['rank']}.done.json") for r in attempt["ranks"]
-                    if r.get("role") != "tp-worker"}
+            done = {
+                r["rank"]: _json(adir / f"rank-{r['rank']}.done.json")
+                for r in attempt["ranks"]
+                if r.get("role") != "tp-worker"
+            }
             for r, rec in done.items():
                 ended = _json(adir / f"rank-{r}.exit.json")
                 if rec is not None and ended is not None:
                     out.exit_lags.append(float(ended["time"]) - float(rec["time"]))
-            if (attempt["state"] == "failed" and done and all(rec is not None and rec.get("exit_code") == 0
-                                                             for rec in done.values())):
+            if (
+                attempt["state"] == "failed"
+                and done
+                and all(rec is not None and rec.get("exit_code") == 0 for rec in done.values())
+            ):
                 out.failed_after_done = True
     return out
 
@@ -128,14 +139,16 @@ def base_inputs(d: Daemon, home: Path, timeout: float) -> Path:
 
 def train_dir(base: Path, dest: Path) -> Path:
     dest.mkdir(parents=True)
-    for stage in INPUT_STAGES:      # read-only inputs: links, so 70 runs do not copy them 70 times
+    for stage in INPUT_STAGES:  # read-only inputs: links, so 70 runs do not copy them 70 times
         (dest / stage).symlink_to(base / stage)
     return dest
 
 
 def report(outcomes: list[Outcome]) -> bool:
-    print(f"\n{'kind':<8} {'load':<7} {'runs':>4} {'ok':>4} {'hangs':>5} {'stragglers':>10} "
-          f"{'failed-after-done':>17} {'median s':>8} {'slowest exit lag s':>18}")
+    print(
+        f"\n{'kind':<8} {'load':<7} {'runs':>4} {'ok':>4} {'hangs':>5} {'stragglers':>10} "
+        f"{'failed-after-done':>17} {'median s':>8} {'slowest exit lag s':>18}"
+    )
     ok = True
     for kind in dict.fromkeys(o.kind for o in outcomes):
         for loaded in (False, True):
@@ -143,10 +156,12 @@ def report(outcomes: list[Outcome]) -> bool:
             if not rows:
                 continue
             lags = [lag for o in rows for lag in o.exit_lags]
-            print(f"{kind:<8} {'busy' if loaded else 'quiet':<7} {len(rows):>4} "
-                  f"{sum(o.state == 'succeeded' for o in rows):>4} {sum(o.hang for o in rows):>5} "
-                  f"{sum(o.straggler for o in rows):>10} {sum(o.failed_after_done for o in rows):>17} "
-                  f"{statistics.median(o.seconds for o in rows):>8.1f} {max(lags, default=float('nan')):>18.3f}")
+            print(
+                f"{kind:<8} {'busy' if loaded else 'quiet':<7} {len(rows):>4} "
+                f"{sum(o.state == 'succeeded' for o in rows):>4} {sum(o.hang for o in rows):>5} "
+                f"{sum(o.straggler for o in rows):>10} {sum(o.failed_after_done for o in rows):>17} "
+                f"{statistics.median(o.seconds for o in rows):>8.1f} {max(lags, default=float('nan')):>18.3f}"
+            )
         quiet = [o.seconds for o in outcomes if o.kind == kind and not o.loaded]
         busy = [o.seconds for o in outcomes if o.kind == kind and o.loaded]
         if quiet and busy:
@@ -158,10 +173,14 @@ def report(outcomes: list[Outcome]) -> bool:
     hangs, stragglers = sum(o.hang for o in outcomes), sum(o.straggler for o in outcomes)
     after_done = sum(o.failed_after_done for o in outcomes)
     slowest = max(lags, default=float("nan"))
-    print(f"\nhangs {hangs}, stragglers {stragglers}, stages failed after their work was done {after_done} "
-          f"(target: all 0)")
-    print(f"rank exits measured {len(lags)}: median {statistics.median(lags) if lags else float('nan'):.3f} s, "
-          f"slowest {slowest:.3f} s = {slowest / EXIT_LAG_TARGET_S:.2f} of the {EXIT_LAG_TARGET_S:g} s target")
+    print(
+        f"\nhangs {hangs}, stragglers {stragglers}, stages failed after their work was done {after_done} "
+        f"(target: all 0)"
+    )
+    print(
+        f"rank exits measured {len(lags)}: median {statistics.median(lags) if lags else float('nan'):.3f} s, "
+        f"slowest {slowest:.3f} s = {slowest / EXIT_LAG_TARGET_S:.2f} of the {EXIT_LAG_TARGET_S:g} s target"
+    )
     ok = hangs == stragglers == after_done == 0 and lags and slowest < EXIT_LAG_TARGET_S
     failed = sum(o.state != "succeeded" for o in outcomes)
     print(f"runs {len(outcomes)}, failed {failed}: {'PASS' if ok and not failed else 'FAIL'}")
@@ -178,23 +197,34 @@ def main() -> int:
     p.add_argument("--busy", type=int, default=os.cpu_count() or 2, help="busy loops during a loaded run")
     a = p.parse_args()
     home = bench_home()
-    subprocess.run([sys.executable, "-m", "eyas.workers.models.assets", str(home / "assets"), "--fit-steps", str(FIT_STEPS)],
-                   check=True, stdin=subprocess.DEVNULL, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "eyas.workers.models.assets", str(home / "assets"), "--fit-steps", str(FIT_STEPS)],
+        check=True,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+    )
     d = Daemon(home, grace=5.0).start()
     outcomes: list[Outcome] = []
     try:
         base = base_inputs(d, home, a.timeout * 3)
-        plan = ([("ddp", i) for i in range(a.ddp)] + [("fsdp", i) for i in range(a.fsdp)]
-                + [("demo", i) for i in range(a.demo)])
+        plan = (
+            [("ddp", i) for i in range(a.ddp)]
+            + [("fsdp", i) for i in range(a.fsdp)]
+            + [("demo", i) for i in range(a.demo)]
+        )
         for n, (kind, i) in enumerate(plan):
             loaded = i % 2 == 1
             dest = home / "soak" / f"{kind}-{i}"
             if kind == "demo":
-                toml, timeout = demo_toml(output_dir=dest, pipeline=["prepare", "extract", "vocab", "train",
-                                                                     "evaluate"]), a.timeout * 4
+                toml, timeout = (
+                    demo_toml(output_dir=dest, pipeline=["prepare", "extract", "vocab", "train", "evaluate"]),
+                    a.timeout * 4,
+                )
             else:
-                toml, timeout = demo_toml(output_dir=train_dir(base, dest), pipeline=["train"], epochs=a.epochs,
-                                          strategy=kind), a.timeout
+                toml, timeout = (
+                    demo_toml(output_dir=train_dir(base, dest), pipeline=["train"], epochs=a.epochs, strategy=kind),
+                    a.timeout,
+                )
             loops = busy_loops(a.busy) if loaded else []
             try:
                 o = measure(d, toml, kind, loaded, timeout)
@@ -204,8 +234,11 @@ def main() -> int:
                     proc.wait()
             outcomes.append(o)
             lag = max(o.exit_lags, default=float("nan"))
-            print(f"[{n + 1}/{len(plan)}] {kind} {'busy' if loaded else 'quiet'}: {o.state} in {o.seconds:.1f} s, "
-                  f"slowest exit lag {lag:.3f} s" + (f" ({o.root_cause})" if o.root_cause else ""), flush=True)
+            print(
+                f"[{n + 1}/{len(plan)}] {kind} {'busy' if loaded else 'quiet'}: {o.state} in {o.seconds:.1f} s, "
+                f"slowest exit lag {lag:.3f} s" + (f" ({o.root_cause})" if o.root_cause else ""),
+                flush=True,
+            )
             if kind != "demo":
                 shutil.rmtree(dest, ignore_errors=True)
     finally:

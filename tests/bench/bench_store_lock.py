@@ -60,14 +60,17 @@ def main() -> int:
     home = bench_home()
     d = Daemon(home).start()
     try:
-        run_id = d.submit(selftest_toml("lock-bench", ranks=2, options={
-            "steps": 100_000, "step_time": 0.02}))
+        run_id = d.submit(selftest_toml("lock-bench", ranks=2, options={"steps": 100_000, "step_time": 0.02}))
         wait_for(lambda: (r := d.ranks(run_id)) and all(x["pid"] for x in r), 30, what="ranks")
         time.sleep(2)
         with Client(d.socket, timeout=30) as client:
             free = pings(client, seconds)
-            locker = subprocess.Popen([sys.executable, "-c", LOCKER, str(paths.db_path(home))],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            locker = subprocess.Popen(
+                [sys.executable, "-c", LOCKER, str(paths.db_path(home))],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             float(locker.stdout.readline())
             locked = pings(client, seconds)
             busy = client.request("status")["store_busy"]
@@ -82,12 +85,18 @@ def main() -> int:
     finally:
         d.stop()
     f, lk = summary(free), summary(locked)
-    print(f"store free:   ping p50 {f[0] * 1000:.1f} ms, p99 {f[1] * 1000:.1f} ms, max {f[2] * 1000:.1f} ms "
-          f"({len(free)} pings)")
-    print(f"store locked: ping p50 {lk[0] * 1000:.1f} ms, p99 {lk[1] * 1000:.1f} ms, max {lk[2] * 1000:.1f} ms "
-          f"({len(locked)} pings); status said busy: {busy is not None} ({busy and busy['pending']} waiting)")
-    print(f"event-loop latency locked/free: p50 {lk[0] / f[0]:.2f}, p99 {lk[1] / f[1]:.2f}, max {lk[2] / f[2]:.2f} "
-          f"(target: no ping in the lock over {TARGET_MAX_S * 1000:.0f} ms)")
+    print(
+        f"store free:   ping p50 {f[0] * 1000:.1f} ms, p99 {f[1] * 1000:.1f} ms, max {f[2] * 1000:.1f} ms "
+        f"({len(free)} pings)"
+    )
+    print(
+        f"store locked: ping p50 {lk[0] * 1000:.1f} ms, p99 {lk[1] * 1000:.1f} ms, max {lk[2] * 1000:.1f} ms "
+        f"({len(locked)} pings); status said busy: {busy is not None} ({busy and busy['pending']} waiting)"
+    )
+    print(
+        f"event-loop latency locked/free: p50 {lk[0] / f[0]:.2f}, p99 {lk[1] / f[1]:.2f}, max {lk[2] / f[2]:.2f} "
+        f"(target: no ping in the lock over {TARGET_MAX_S * 1000:.0f} ms)"
+    )
     print(f"record caught up {caught_up:.2f} s after the lock was released")
     return 0 if lk[2] <= TARGET_MAX_S and busy is not None else 1
 

@@ -44,8 +44,9 @@ def baseline_trial() -> float:
 
 
 def eyas_trial(d: Daemon, n: int) -> float:
-    run_id = d.submit(selftest_toml(f"teardown-{n}", ranks=RANKS, options={"steps": 100000, "step_time": 0.05}),
-                      f"t{n}.toml")
+    run_id = d.submit(
+        selftest_toml(f"teardown-{n}", ranks=RANKS, options={"steps": 100000, "step_time": 0.05}), f"t{n}.toml"
+    )
     pids = wait_for(lambda: (p := [r["pid"] for r in d.ranks(run_id)]) and len(p) == RANKS and all(p) and p, 60)
     every = set(pids)
     time.sleep(0.5)
@@ -70,8 +71,10 @@ def main() -> int:
     print(f"teardown of {RANKS} ranks after one SIGKILL, {TRIALS} trials")
     print(f"  eyas:     median {med * 1000:.0f} ms (min {min(eyas) * 1000:.0f}, max {max(eyas) * 1000:.0f})")
     print(f"  baseline: median {bmed * 1000:.1f} ms (the bench kills {RANKS} bare processes itself)")
-    print(f"  ratio eyas/baseline: {med / bmed:.1f}x; target median <= {TARGET_S:.1f} s: "
-          f"{'PASS' if med <= TARGET_S else 'FAIL'}")
+    print(
+        f"  ratio eyas/baseline: {med / bmed:.1f}x; target median <= {TARGET_S:.1f} s: "
+        f"{'PASS' if med <= TARGET_S else 'FAIL'}"
+    )
     return 0 if med <= TARGET_S else 1
 
 

@@ -37,8 +37,14 @@ SEQ, BATCH_TOKENS, DRAFT_VOCAB, VAL_ROWS = 256, 1024, 256, 4
 LAYER_IDS = (1, 2, 3, 4)
 TARGET_RATIO = 0.95
 CACHE = Path(tempfile.gettempdir()) / "eyas-bench-train-v2"
-MODEL_INPUTS = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
-                "verifier_last_hidden_states")
+MODEL_INPUTS = (
+    "hidden_states",
+    "input_ids",
+    "document_ids",
+    "loss_mask",
+    "position_ids",
+    "verifier_last_hidden_states",
+)
 TESTS = Path(__file__).resolve().parent.parent
 
 
@@ -58,26 +64,42 @@ def build_inputs(root: Path, samples: int) -> tuple[Path, Path]:
 
     tok = build_tokenizer(target)
     vocab = len(tok)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
-                      num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=HIDDEN // HEADS,
-                      max_position_embeddings=4096, tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        head_dim=HIDDEN // HEADS,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(target)
     g = torch.Generator().manual_seed(1)
     rows = torch.randint(8, vocab, (samples, SEQ), generator=g)
-    ds = datasets.Dataset.from_dict({"input_ids": rows.tolist(), "loss_mask": [[1] * SEQ] * samples,
-                                     "seq_len": [SEQ] * samples})
+    ds = datasets.Dataset.from_dict(
+        {"input_ids": rows.tolist(), "loss_mask": [[1] * SEQ] * samples, "seq_len": [SEQ] * samples}
+    )
     ds.set_format("torch")
     ds.save_to_disk(str(out / "prepare" / "dataset"))
     (out / "prepare" / "splits.json").write_text(json.dumps({"validation": list(range(VAL_ROWS))}))
     hs = out / "extract" / "hidden_states"
     hs.mkdir(parents=True)
     for i in range(samples):
-        save_file({"hidden_states": torch.randn(SEQ, len(LAYER_IDS), HIDDEN, generator=g),
-                   "token_ids": rows[i].clone()}, hs / f"hs_{i}.safetensors")
-    (out / "extract" / "data_config.json").write_text(json.dumps({
-        "layer_ids": list(LAYER_IDS), "num_hidden_layers": LAYERS, "hidden_size": HIDDEN, "dtype": "float32"}))
+        save_file(
+            {"hidden_states": torch.randn(SEQ, len(LAYER_IDS), HIDDEN, generator=g), "token_ids": rows[i].clone()},
+            hs / f"hs_{i}.safetensors",
+        )
+    (out / "extract" / "data_config.json").write_text(
+        json.dumps(
+            {"layer_ids": list(LAYER_IDS), "num_hidden_layers": LAYERS, "hidden_size": HIDDEN, "dtype": "float32"}
+        )
+    )
     freq = np.bincount(rows.flatten().numpy(), minlength=vocab)
     d2t, t2d = build_mapping(freq, DRAFT_VOCAB, vocab)
     (out / "vocab").mkdir()
@@ -121,19 +143,39 @@ def bare(target: Path, out: Path, rank: int, world: int, port: int) -> dict:
         row = rows[k]
         f = load_file(out / "extract" / "hidden_states" / f"hs_{row}.safetensors")
         h, n = f["hidden_states"], f["hidden_states"].shape[0]
-        return {"hidden_states": h[:, :-1].flatten(1), "input_ids": f["token_ids"],
-                "verifier_last_hidden_states": h[:, -1], "loss_mask": ds[row]["loss_mask"],
-                "lengths": torch.tensor([n]), "position_ids": torch.arange(n)}
+        return {
+            "hidden_states": h[:, :-1].flatten(1),
+            "input_ids": f["token_ids"],
+            "verifier_last_hidden_states": h[:, -1],
+            "loss_mask": ds[row]["loss_mask"],
+            "lengths": torch.tensor([n]),
+            "position_ids": torch.arange(n),
+        }
 
     torch.manual_seed(0)
-    layer_cfg = create_transformer_layer_config(str(target), num_layers=1, draft_arch="llama", hidden_act="silu",
-                                                sliding_window=2048, full_attention_indices=[0])
+    layer_cfg = create_transformer_layer_config(
+        str(target),
+        num_layers=1,
+        draft_arch="llama",
+        hidden_act="silu",
+        sliding_window=2048,
+        full_attention_indices=[0],
+    )
     d2t = torch.from_numpy(np.load(out / "vocab" / f"d2t-{DRAFT_VOCAB}.npy"))
     t2d = torch.from_numpy(np.load(out / "vocab" / f"t2d-{DRAFT_VOCAB}.npy"))
     model = Eagle3DraftModel.from_training_args(
-        layer_cfg, t2d=t2d, d2t=d2t, draft_vocab_size=DRAFT_VOCAB, norm_before_residual=True, norm_before_fc=True,
-        norm_output=True, ttt_steps=3, verifier_name_or_path=str(target), target_layer_ids=list(LAYER_IDS[:-1]),
-        draft_attn_impl="sdpa")
+        layer_cfg,
+        t2d=t2d,
+        d2t=d2t,
+        draft_vocab_size=DRAFT_VOCAB,
+        norm_before_residual=True,
+        norm_before_fc=True,
+        norm_output=True,
+        ttt_steps=3,
+        verifier_name_or_path=str(target),
+        target_layer_ids=list(LAYER_IDS[:-1]),
+        draft_attn_impl="sdpa",
+    )
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -141,15 +183,17 @@ def bare(target: Path, out: Path, rank: int, world: int, port: int) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-3)
     sched = get_linear_schedule_with_warmup(opt, 0, len(batches))
-    collate = CollateFn(BATCH_TOKENS, HIDDEN, num_target_layers=len(LAYER_IDS) - 1, dtype=torch.float32,
-                        preprocess=shift_batch)
+    collate = CollateFn(
+        BATCH_TOKENS, HIDDEN, num_target_layers=len(LAYER_IDS) - 1, dtype=torch.float32, preprocess=shift_batch
+    )
     loss_config = resolve_loss_config("kl_div", "eager")
     tokens, seconds, cpu_seconds = 0, 0.0, 0.0
     last, last_cpu = time.perf_counter(), time.process_time()
     for k, b in enumerate(batches):
         batch = collate([item(i) for i in b])
-        _, loss, _ = model(**{key: batch[key] for key in MODEL_INPUTS}, ttt_steps=3, ttt_step_loss_decay=1.0,
-                           loss_config=loss_config)
+        _, loss, _ = model(
+            **{key: batch[key] for key in MODEL_INPUTS}, ttt_steps=3, ttt_step_loss_decay=1.0, loss_config=loss_config
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -171,9 +215,29 @@ def measure_bare(target: Path, out: Path, world: int) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, __file__, "--child", "bare", "--target", str(target), "--out", str(out),
-                               "--rank", str(r), "--world", str(world), "--port", str(port)],
-                              stdout=subprocess.PIPE, text=True) for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                "bare",
+                "--target",
+                str(target),
+                "--out",
+                str(out),
+                "--rank",
+                str(r),
+                "--world",
+                str(world),
+                "--port",
+                str(port),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
     results = []
     for p in procs:
         stdout, _ = p.communicate(timeout=900)
@@ -182,8 +246,11 @@ def measure_bare(target: Path, out: Path, world: int) -> dict:
         results.append(json.loads(stdout.strip().splitlines()[-1]))
     tokens = sum(r["tokens"] for r in results)
     seconds = sum(r["seconds"] for r in results) / world
-    return {"tok_s": tokens / seconds, "tok_per_cpu_s": tokens / sum(r["cpu_seconds"] for r in results),
-            "steps": results[0]["steps"]}
+    return {
+        "tok_s": tokens / seconds,
+        "tok_per_cpu_s": tokens / sum(r["cpu_seconds"] for r in results),
+        "steps": results[0]["steps"],
+    }
 
 
 # --- eyas -------------------------------------------------------------------------------------
@@ -212,8 +279,10 @@ def measure_eyas(daemon, target: Path, inputs: Path, scratch: Path, world: int) 
     out.mkdir()
     for stage in ("prepare", "extract", "vocab"):
         (out / stage).symlink_to(inputs / stage)
-    run_id = daemon.submit(TOML.format(out=out, target=target, ranks=world, vocab=DRAFT_VOCAB,
-                                       batch_tokens=BATCH_TOKENS), f"bench-{world}.toml")
+    run_id = daemon.submit(
+        TOML.format(out=out, target=target, ranks=world, vocab=DRAFT_VOCAB, batch_tokens=BATCH_TOKENS),
+        f"bench-{world}.toml",
+    )
     run = daemon.wait_run(run_id, timeout=900)
     if run["state"] != "succeeded":
         raise RuntimeError(f"eyas run {run_id} {run['state']}: {run['reason']}")
@@ -244,9 +313,12 @@ def main() -> int:
     CACHE.mkdir(exist_ok=True)
     t0 = time.perf_counter()
     target, inputs = build_inputs(CACHE, args.samples)
-    print(f"draft: 1 Llama layer, hidden {HIDDEN}, draft vocab {DRAFT_VOCAB}, 3 TTT steps, fp32 on "
-          f"{len(os.sched_getaffinity(0))} CPUs; {args.samples - VAL_ROWS} training samples x {SEQ} tokens, "
-          f"{BATCH_TOKENS} tokens per rank and step, 1 epoch", flush=True)
+    print(
+        f"draft: 1 Llama layer, hidden {HIDDEN}, draft vocab {DRAFT_VOCAB}, 3 TTT steps, fp32 on "
+        f"{len(os.sched_getaffinity(0))} CPUs; {args.samples - VAL_ROWS} training samples x {SEQ} tokens, "
+        f"{BATCH_TOKENS} tokens per rank and step, 1 epoch",
+        flush=True,
+    )
     home = bench_home()
     daemon = Daemon(home).start()
     results: dict[int, dict[str, list[dict]]] = {}
@@ -257,11 +329,17 @@ def main() -> int:
                 # Alternating, each pair in the other order, so that a drift in the machine's load
                 # favours neither.
                 for mode in [m for r in range(args.repeats) for m in (("bare", "eyas"), ("eyas", "bare"))[r % 2]]:
-                    r = (measure_bare(target, inputs, world) if mode == "bare"
-                         else measure_eyas(daemon, target, inputs, Path(scratch), world))
+                    r = (
+                        measure_bare(target, inputs, world)
+                        if mode == "bare"
+                        else measure_eyas(daemon, target, inputs, Path(scratch), world)
+                    )
                     runs[mode].append(r)
-                    print(f"  {world} rank(s) {mode:<4} {r['tok_s']:8.0f} tok/s  {r['tok_per_cpu_s']:8.0f} tok/CPU-s "
-                          f"({r['steps']} steps)", flush=True)
+                    print(
+                        f"  {world} rank(s) {mode:<4} {r['tok_s']:8.0f} tok/s  {r['tok_per_cpu_s']:8.0f} tok/CPU-s "
+                        f"({r['steps']} steps)",
+                        flush=True,
+                    )
                 results[world] = runs
     finally:
         daemon.cleanup()
@@ -281,8 +359,10 @@ def main() -> int:
         print(f"           per CPU-second (less sensitive to other load on the machine): {ce / cb:.3f}")
     if 1 in results and 2 in results:
         best = {(w, m): max(r["tok_s"] for r in results[w][m]) for w in (1, 2) for m in ("eyas", "bare")}
-        print(f"2 ranks / 1 rank: eyas {best[2, 'eyas'] / best[1, 'eyas']:.2f}x, "
-              f"bare {best[2, 'bare'] / best[1, 'bare']:.2f}x")
+        print(
+            f"2 ranks / 1 rank: eyas {best[2, 'eyas'] / best[1, 'eyas']:.2f}x, "
+            f"bare {best[2, 'bare'] / best[1, 'bare']:.2f}x"
+        )
     print(f"total {time.perf_counter() - t0:.0f} s")
     return code
 

@@ -78,9 +78,11 @@ def generate(folder: Path, lines: int) -> list[Path]:
                 for i in range(base, min(lines, base + 100_000)):
                     t = start + i * 0.1 + r * 0.013
                     lt = time.localtime(t)
-                    chunk.append(f"{lt.tm_year}-{lt.tm_mon:02d}-{lt.tm_mday:02d} {lt.tm_hour:02d}:{lt.tm_min:02d}:"
-                                 f"{lt.tm_sec:02d},{int(t * 1000) % 1000:03d} INFO eyas.extract: rank {r} batch {i} "
-                                 f"tokens {(i + 1) * 2048} loss {1 / (i + 1):.5f}\n")
+                    chunk.append(
+                        f"{lt.tm_year}-{lt.tm_mon:02d}-{lt.tm_mday:02d} {lt.tm_hour:02d}:{lt.tm_min:02d}:"
+                        f"{lt.tm_sec:02d},{int(t * 1000) % 1000:03d} INFO eyas.extract: rank {r} batch {i} "
+                        f"tokens {(i + 1) * 2048} loss {1 / (i + 1):.5f}\n"
+                    )
                 out.write("".join(chunk))
     marker.write_text(json.dumps([p.stat().st_size for p in paths]))
     return paths
@@ -94,8 +96,9 @@ def build_store(home: Path, logs: Path) -> int:
     home.mkdir(parents=True)
     db = store.open_writer(paths.db_path(home))
     t = time.time() - 3 * 86400
-    run_id = store.create_run(db, name="bench-logs", model="bench", stages=[{"name": "extract", "world_size": RANKS}],
-                              now=t)
+    run_id = store.create_run(
+        db, name="bench-logs", model="bench", stages=[{"name": "extract", "world_size": RANKS}], now=t
+    )
     store.move_run(db, run_id, "running", "started", now=t)
     store.move_stage(db, run_id, "extract", "running", "started", now=t)
     aid, _ = store.new_attempt(db, run_id, "extract", dir=str(logs), world_size=RANKS, now=t)
@@ -173,8 +176,12 @@ async def measure(home: Path, run_id: int, logs: Path, rate: int, seconds: float
 
         # Follow mode under 8 writers.
         assert view.follow
-        writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(logs / f"rank-{r}.log"), str(r), str(rate),
-                                     str(seconds)]) for r in range(RANKS)]
+        writers = [
+            subprocess.Popen(
+                [sys.executable, "-c", WRITER, str(logs / f"rank-{r}.log"), str(r), str(rate), str(seconds)]
+            )
+            for r in range(RANKS)
+        ]
         stamp = re.compile(r"@(\d+\.\d+)$")
         lags, paints0, t0 = [], view.paints, time.monotonic()
         try:
@@ -221,18 +228,25 @@ def main() -> int:
     t = time.perf_counter()
     logs_dir = root / f"logs-{args.lines}"
     paths = generate(logs_dir, args.lines)
-    print(f"{RANKS} rank logs of {args.lines:,} lines ({sum(p.stat().st_size for p in paths) / 2**20:,.0f} MiB) "
-          f"ready in {time.perf_counter() - t:.1f} s")
+    print(
+        f"{RANKS} rank logs of {args.lines:,} lines ({sum(p.stat().st_size for p in paths) / 2**20:,.0f} MiB) "
+        f"ready in {time.perf_counter() - t:.1f} s"
+    )
     home = root / "home"
     run_id = build_store(home, logs_dir)
     env = {**os.environ, "EYAS_HOME": str(home), "XDG_RUNTIME_DIR": str(root / "rt")}
-    proc = subprocess.run([sys.executable, __file__, "--child", str(home), str(run_id), str(logs_dir),
-                           str(args.rate), str(args.seconds)], env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", str(home), str(run_id), str(logs_dir), str(args.rate), str(args.seconds)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
         print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
         return 1
-    r = json.loads(line[len("RESULT "):])
+    r = json.loads(line[len("RESULT ") :])
     generate(logs_dir, args.lines)  # cut the appended lines off again
 
     def verdict(ok: bool) -> str:
@@ -243,21 +257,31 @@ def main() -> int:
     lag = r["follow_lag_max_s"]
     ok_lag = lag is not None and lag <= LAG_TARGET_S
     print(f"Logs screen, rank 0 of {RANKS}, following ({r['lines']:,} lines; tail line {r['tail_line']:,}):")
-    print(f"  open -> first paint:  {r['open_s']:.3f} s   (baseline raw read + newline count of the same file "
-          f"{r['raw_read_s']:.3f} s; ratio {r['open_s'] / r['raw_read_s']:.1f}x)  target <= {OPEN_TARGET_S} s: "
-          f"{verdict(ok_open)}")
-    print(f"  RSS after first paint: {r['open_rss_mb']:.0f} MB   (baseline: the app before opening it "
-          f"{r['app_rss_mb']:.0f} MB; ratio {r['open_rss_mb'] / r['app_rss_mb']:.2f}x)")
-    print(f"All ranks merged by time ({r['merged_total']:,} lines): first paint {r['merged_open_s']:.2f} s "
-          f"(ratio to the raw read of one file {r['merged_open_s'] / r['raw_read_s']:.1f}x; "
-          f"{RANKS} files to index)")
-    print(f"Follow, merged view, {RANKS} x {args.rate:,} lines/s for {args.seconds:.0f} s: lag p50 "
-          f"{r['follow_lag_p50_s']:.3f} s, p95 {r['follow_lag_p95_s']:.3f} s, max {lag:.3f} s over "
-          f"{r['follow_lag_samples']} samples  target max <= {LAG_TARGET_S} s: {verdict(ok_lag)}")
+    print(
+        f"  open -> first paint:  {r['open_s']:.3f} s   (baseline raw read + newline count of the same file "
+        f"{r['raw_read_s']:.3f} s; ratio {r['open_s'] / r['raw_read_s']:.1f}x)  target <= {OPEN_TARGET_S} s: "
+        f"{verdict(ok_open)}"
+    )
+    print(
+        f"  RSS after first paint: {r['open_rss_mb']:.0f} MB   (baseline: the app before opening it "
+        f"{r['app_rss_mb']:.0f} MB; ratio {r['open_rss_mb'] / r['app_rss_mb']:.2f}x)"
+    )
+    print(
+        f"All ranks merged by time ({r['merged_total']:,} lines): first paint {r['merged_open_s']:.2f} s "
+        f"(ratio to the raw read of one file {r['merged_open_s'] / r['raw_read_s']:.1f}x; "
+        f"{RANKS} files to index)"
+    )
+    print(
+        f"Follow, merged view, {RANKS} x {args.rate:,} lines/s for {args.seconds:.0f} s: lag p50 "
+        f"{r['follow_lag_p50_s']:.3f} s, p95 {r['follow_lag_p95_s']:.3f} s, max {lag:.3f} s over "
+        f"{r['follow_lag_samples']} samples  target max <= {LAG_TARGET_S} s: {verdict(ok_lag)}"
+    )
     print(f"  redraws while following: {r['follow_paints_per_s']:.1f}/s (bounded by the screen's 10 Hz timer)")
-    print(f"Peak RSS of the whole run: {r['peak_rss_mb']:.0f} MB (after the single-rank open "
-          f"{r['peak_rss_after_open_mb']:.0f} MB; baseline app {r['app_rss_mb']:.0f} MB, ratio "
-          f"{r['peak_rss_mb'] / r['app_rss_mb']:.2f}x)  target <= {RSS_TARGET_MB} MB: {verdict(ok_rss)}")
+    print(
+        f"Peak RSS of the whole run: {r['peak_rss_mb']:.0f} MB (after the single-rank open "
+        f"{r['peak_rss_after_open_mb']:.0f} MB; baseline app {r['app_rss_mb']:.0f} MB, ratio "
+        f"{r['peak_rss_mb'] / r['app_rss_mb']:.2f}x)  target <= {RSS_TARGET_MB} MB: {verdict(ok_rss)}"
+    )
     return 0 if ok_open and ok_rss and ok_lag else 1
 
 

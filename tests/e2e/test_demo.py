@@ -58,8 +58,12 @@ def test_demo_runs_the_whole_pipeline_and_leaves_nothing_behind():
     except subprocess.TimeoutExpired as exc:
         # The timeout SIGKILLs the demo CLI, not the daemon it started: stop that too, so a
         # slow run does not go on loading the machine under the rest of the suite.
-        subprocess.run([EYAS, "--home", str(home), "daemon", "stop", "--grace", "2"], env=_env(home),
-                       capture_output=True, timeout=60)
+        subprocess.run(
+            [EYAS, "--home", str(home), "daemon", "stop", "--grace", "2"],
+            env=_env(home),
+            capture_output=True,
+            timeout=60,
+        )
         pytest.fail(f"the demo took more than its 5-minute budget; it printed:\n{exc.stdout}")
     took = time.monotonic() - t0
     assert out.returncode == 0, out.stdout + out.stderr
@@ -87,8 +91,10 @@ def test_demo_runs_the_whole_pipeline_and_leaves_nothing_behind():
     ev = stages["evaluate"]["summary"]
     assert (ev["draft"], ev["prompts"], ev["lossless"]) == (str(ckpt), 30, True)
     row = next(line for line in text.splitlines() if line.startswith("│ evaluate "))
-    assert (f"accept {ev['acceptance_length']:.2f} (untrained {ev['baseline_acceptance_length']:.2f})" in row
-            and "lossless" in row), row
+    assert (
+        f"accept {ev['acceptance_length']:.2f} (untrained {ev['baseline_acceptance_length']:.2f})" in row
+        and "lossless" in row
+    ), row
     # The demo's target answers in the chats' patterns (assets.fit_to_chats), so training shows
     # in vLLM. Measured: 1.535 trained vs 1.003 untrained (a gap of 0.53); the margin is half that.
     assert ev["acceptance_length"] - ev["baseline_acceptance_length"] > DEMO_ACCEPT_MARGIN, ev
@@ -107,8 +113,7 @@ def _ranks_running(home: Path, n: int = 2) -> bool:
 
 def test_ctrl_c_stops_the_demo_run_cleanly():
     home = short_tmp()
-    proc = subprocess.Popen([EYAS, "demo"], env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen([EYAS, "demo"], env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     # extract is the first stage with 2 ranks.
     wait_for(lambda: paths.db_path(home).exists() and _ranks_running(home), 180, what="the demo's ranks")
     proc.send_signal(signal.SIGINT)
@@ -138,8 +143,7 @@ def _nothing_left(home: Path) -> None:
 
 def test_ctrl_c_while_the_assets_are_built_leaves_nothing_behind():
     home = short_tmp()
-    proc = subprocess.Popen([EYAS, "demo"], env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen([EYAS, "demo"], env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def building() -> bool:
         for p in psutil.process_iter(["cmdline"]):

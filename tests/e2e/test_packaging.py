@@ -12,14 +12,36 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_wheel_maps_folders_into_the_eyas_namespace(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path / "dist"), str(ROOT)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     wheel = next((tmp_path / "dist").glob("eyas-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"eyas", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info"}
-    for module in ("eyas/cli/main.py", "eyas/wire/client.py", "eyas/daemon/core.py", "eyas/state/store.py", "eyas/state/specs.py", "eyas/tui/__init__.py",
-                   "eyas/workers/examples/demo.toml"):
+    for module in (
+        "eyas/cli/main.py",
+        "eyas/wire/client.py",
+        "eyas/daemon/core.py",
+        "eyas/state/store.py",
+        "eyas/state/specs.py",
+        "eyas/tui/__init__.py",
+        "eyas/workers/examples/demo.toml",
+    ):
         assert module in names, module
     # Every package folder of the tree is in the wheel: a sub-package missing from
     # pyproject's explicit list would import in the editable install and vanish here.
@@ -37,7 +59,10 @@ def test_wheel_maps_folders_into_the_eyas_namespace(tmp_path):
     deps = sysconfig.get_paths()["purelib"]
     out = subprocess.run(
         [sys.executable, "-S", "-c", "import eyas.state.store, eyas.cli.main as c; print(c.__file__)"],
-        env={"PYTHONPATH": f"{target}:{deps}"}, capture_output=True, text=True, timeout=60,
+        env={"PYTHONPATH": f"{target}:{deps}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(target / "eyas" / "cli" / "main.py")

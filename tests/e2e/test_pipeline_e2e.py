@@ -30,21 +30,35 @@ pytestmark = pytest.mark.slow
 EYAS = str(Path(sys.executable).with_name("eyas"))
 STAGES = ["prepare", "extract", "vocab", "train", "evaluate"]
 
+
 def pipeline_toml(target: Path, data: Path) -> str:
     # A hang fails its stage within 3 minutes, with every live rank's stacks as the root cause,
     # instead of holding the test until its timeout. Each stage takes well under a minute here.
-    return run_toml("e2e", STAGES, target={"path": target, "dtype": "float32"},
-                    data={"path": data, "max_length": 128, "limit": 80, "validation_fraction": 0.15},
-                    extract={"batch_size": 8}, resources={"ranks": 2, "devices": "cpu"},
-                    draft={"vocab_size": 256}, train={"epochs": 2, "lr": 1e-3, "batch_tokens": 512},
-                    evaluate={"max_tokens": 32}, stages={stage: {"stall_timeout": 180} for stage in STAGES})
+    return run_toml(
+        "e2e",
+        STAGES,
+        target={"path": target, "dtype": "float32"},
+        data={"path": data, "max_length": 128, "limit": 80, "validation_fraction": 0.15},
+        extract={"batch_size": 8},
+        resources={"ranks": 2, "devices": "cpu"},
+        draft={"vocab_size": 256},
+        train={"epochs": 2, "lr": 1e-3, "batch_tokens": 512},
+        evaluate={"max_tokens": 32},
+        stages={stage: {"stall_timeout": 180} for stage in STAGES},
+    )
 
 
 def train_only_toml(out: Path, target: Path) -> str:
-    return run_toml("kill", ["train"], output_dir=out, target={"path": target, "dtype": "float32"},
-                    resources={"ranks": 2, "devices": "cpu"}, draft={"vocab_size": 256},
-                    train={"epochs": 3, "lr": 1e-3, "batch_tokens": 256, "strategy": "fsdp"},
-                    stages={"train": {"max_restarts": 1, "backoff": 0.5}})
+    return run_toml(
+        "kill",
+        ["train"],
+        output_dir=out,
+        target={"path": target, "dtype": "float32"},
+        resources={"ranks": 2, "devices": "cpu"},
+        draft={"vocab_size": 256},
+        train={"epochs": 3, "lr": 1e-3, "batch_tokens": 256, "strategy": "fsdp"},
+        stages={"train": {"max_restarts": 1, "backoff": 0.5}},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +101,10 @@ def test_the_whole_pipeline_runs_on_two_ranks(daemon, pipeline):
     run_id, run, made = pipeline
     if run["state"] != "succeeded":
         roots = [a["root_cause"] for st in run["stages"] for a in st["attempt_list"] if a["root_cause"]]
-        pytest.fail(f"run {run_id} {run['state']}: {run['reason']}\nroot causes: {json.dumps(roots, indent=1)[:6000]}\n"
-                    + daemon.diagnose(run_id))
+        pytest.fail(
+            f"run {run_id} {run['state']}: {run['reason']}\nroot causes: {json.dumps(roots, indent=1)[:6000]}\n"
+            + daemon.diagnose(run_id)
+        )
     stages = {s["name"]: s for s in run["stages"]}
     # Validation puts eyas doctor's preflight checks first (state/runconfig.py).
     assert list(stages) in (STAGES, ["preflight", *STAGES])
@@ -98,8 +114,9 @@ def test_the_whole_pipeline_runs_on_two_ranks(daemon, pipeline):
         (attempt,) = s["attempt_list"]
         world = 2 if name in ("extract", "train") else 1
         assert attempt["world_size"] == world and attempt["state"] == "succeeded"
-        assert [(r["rank"], r["state"], r["exit_code"]) for r in attempt["ranks"]] == \
-            [(r, "exited", 0) for r in range(world)], name
+        assert [(r["rank"], r["state"], r["exit_code"]) for r in attempt["ranks"]] == [
+            (r, "exited", 0) for r in range(world)
+        ], name
         assert s["summary"] and s["summary"]["outputs"], name
         assert all(Path(p).exists() for p in s["summary"]["outputs"]), name
     out = Path(run["output_dir"])
@@ -147,8 +164,12 @@ def test_evaluate_measures_the_trained_draft_in_vllm_and_records_it(daemon, pipe
     # The train stage's draft, as the target's EAGLE-3 speculator in vLLM's CPU build, beside the
     # untrained draft training started from; 12 validation prompts, greedy, k = 3.
     assert (ev["draft"], ev["baseline_draft"]) == (tr["checkpoint"], str(out / "evaluate" / "baseline-draft"))
-    assert (ev["prompts"], ev["prompt_source"], ev["num_speculative_tokens"], ev["max_tokens"]) == \
-        (12, "validation split", 3, 32)
+    assert (ev["prompts"], ev["prompt_source"], ev["num_speculative_tokens"], ev["max_tokens"]) == (
+        12,
+        "validation split",
+        3,
+        32,
+    )
     assert (ev["device"], ev["tensor_parallel_size"], ev["vllm_version"]) == ("cpu", 1, "0.32.0")
     assert (ev["lossless"], ev["mismatched_prompts"]) == (True, 0)
     assert ev["trained"]["drafts"] > 0 and ev["trained"]["draft_tokens"] == 3 * ev["trained"]["drafts"]
@@ -159,10 +180,16 @@ def test_evaluate_measures_the_trained_draft_in_vllm_and_records_it(daemon, pipe
     assert results["outputs_by_engine"]["trained"] == results["outputs_by_engine"]["target"]
 
     # The figures went through the progress file into SQLite's metrics.
-    for name, value in (("accept_len", ev["acceptance_length"]),
-                        ("baseline_accept_len", ev["baseline_acceptance_length"]), ("accept_pos_0", ev["per_position"][0]), ("target_tok_s", ev["target_tok_s"]),
-                        ("draft_tok_s", ev["draft_tok_s"]), ("baseline_tok_s", ev["baseline_tok_s"]),
-                        ("lossless", 1.0), ("mismatched_prompts", 0.0)):
+    for name, value in (
+        ("accept_len", ev["acceptance_length"]),
+        ("baseline_accept_len", ev["baseline_acceptance_length"]),
+        ("accept_pos_0", ev["per_position"][0]),
+        ("target_tok_s", ev["target_tok_s"]),
+        ("draft_tok_s", ev["draft_tok_s"]),
+        ("baseline_tok_s", ev["baseline_tok_s"]),
+        ("lossless", 1.0),
+        ("mismatched_prompts", 0.0),
+    ):
         assert _metric(daemon, run_id, "evaluate", 1, name) == [pytest.approx(value)], name
 
     # The engines' output is in the rank's log (vLLM loaded the draft as a drafter).
@@ -171,8 +198,9 @@ def test_evaluate_measures_the_trained_draft_in_vllm_and_records_it(daemon, pipe
 
     # And it reaches the history: `eyas runs` and `eyas show`.
     env = {**os.environ, "EYAS_HOME": str(daemon.home)}
-    listed = json.loads(subprocess.run([EYAS, "runs", "--json"], env=env, capture_output=True, text=True,
-                                       check=True).stdout)
+    listed = json.loads(
+        subprocess.run([EYAS, "runs", "--json"], env=env, capture_output=True, text=True, check=True).stdout
+    )
     assert [r["accept"] for r in listed if r["id"] == run_id] == [pytest.approx(ev["acceptance_length"])]
     shown = subprocess.run([EYAS, "show", str(run_id)], env=env, capture_output=True, text=True, check=True).stdout
     assert f"  trained    {ev['acceptance_length']:10.3f}" in shown and "lossless: yes" in shown
@@ -194,7 +222,7 @@ def test_a_sigkilled_training_rank_resumes_from_the_checkpoint(daemon, pipeline)
 
     final = daemon.wait_run(run_id, timeout=600)
     assert final["state"] == "succeeded", json.dumps(final, default=str)[:3000]
-    assert [s["name"] for s in final["stages"]] in (["train"], ["preflight", "train"])   # preflight: added
+    assert [s["name"] for s in final["stages"]] in (["train"], ["preflight", "train"])  # preflight: added
     stage = final["stages"][-1]
     assert (stage["attempts"], stage["restarts"]) == (2, 1)
     first, second = stage["attempt_list"]
@@ -216,9 +244,12 @@ def test_a_sigkilled_training_rank_resumes_from_the_checkpoint(daemon, pipeline)
     steps = _metric(daemon, run_id, "train", 2, "step")
     assert steps[0] == resume_point.global_step + 1 and steps[-1] == s["steps"]
     # Heartbeat lines (model build, checkpoint saves) carry no counts: the first count line matters.
-    records = [rec for line in (Path(second["dir"]) / "rank-0.progress.jsonl").read_text().splitlines()
-               if "heartbeat" not in (rec := json.loads(line))]
-    assert records[0]["tokens"] > 0 and records[0]["samples"] > 0       # counted from the checkpoint on
+    records = [
+        rec
+        for line in (Path(second["dir"]) / "rank-0.progress.jsonl").read_text().splitlines()
+        if "heartbeat" not in (rec := json.loads(line))
+    ]
+    assert records[0]["tokens"] > 0 and records[0]["samples"] > 0  # counted from the checkpoint on
     assert sorted(p.name for p in root.iterdir()) == ["best", "epoch-1", "epoch-2", "epoch-3"]
 
 

@@ -31,16 +31,35 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05, what: str
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def selftest_toml(name: str, ranks: int = 2, options: dict | None = None, max_restarts: int = 0,
-                  backoff: float = 0.1, devices: str = '"cpu"', stall_timeout: float | None = 0,
-                  exit_timeout: float | None = None, log_max_mb: float | None = None) -> str:
+def selftest_toml(
+    name: str,
+    ranks: int = 2,
+    options: dict | None = None,
+    max_restarts: int = 0,
+    backoff: float = 0.1,
+    devices: str = '"cpu"',
+    stall_timeout: float | None = 0,
+    exit_timeout: float | None = None,
+    log_max_mb: float | None = None,
+) -> str:
     """A selftest run. The stall watchdog is off unless asked for (tests hang ranks on purpose);
     None leaves a bound's key out, so the stage's default applies. `devices` is written as in
     TOML ('"cpu"', "[0]")."""
-    return run_toml(name, ["selftest"], resources={"ranks": ranks, "devices": toml_value(devices)},
-                    stages={"selftest": {"max_restarts": max_restarts, "backoff": backoff,
-                                         "stall_timeout": stall_timeout, "exit_timeout": exit_timeout,
-                                         "log_max_mb": log_max_mb, "options": options or {}}})
+    return run_toml(
+        name,
+        ["selftest"],
+        resources={"ranks": ranks, "devices": toml_value(devices)},
+        stages={
+            "selftest": {
+                "max_restarts": max_restarts,
+                "backoff": backoff,
+                "stall_timeout": stall_timeout,
+                "exit_timeout": exit_timeout,
+                "log_max_mb": log_max_mb,
+                "options": options or {},
+            }
+        },
+    )
 
 
 class Daemon:
@@ -61,16 +80,20 @@ class Daemon:
     def start(self) -> Daemon:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "eyas.daemon.main", "--home", str(self.home), "--grace", str(self.grace)],
-            env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=open(self.home / "daemon.stderr", "ab"), start_new_session=True,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.home / "daemon.stderr", "ab"),
+            start_new_session=True,
         )
         wait_for(self._pingable, 30, what="the daemon to answer")
         return self
 
     def _pingable(self) -> bool:
         if self.proc.poll() is not None:
-            raise AssertionError(f"daemon exited {self.proc.returncode}: "
-                                 + (self.home / "daemon.stderr").read_text()[-3000:])
+            raise AssertionError(
+                f"daemon exited {self.proc.returncode}: " + (self.home / "daemon.stderr").read_text()[-3000:]
+            )
         try:
             with Client(self.socket, timeout=2) as c:
                 return c.request("ping")["pid"] == self.proc.pid
@@ -87,8 +110,9 @@ class Daemon:
         return self.request("submit", config_path=str(path))["run_id"]
 
     def cli(self, *args, timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run([EYAS, *map(str, args)], env={**self.env, "TZ": "UTC"}, capture_output=True,
-                              text=True, timeout=timeout)
+        return subprocess.run(
+            [EYAS, *map(str, args)], env={**self.env, "TZ": "UTC"}, capture_output=True, text=True, timeout=timeout
+        )
 
     def reader(self):
         return store.open_reader(paths.db_path(self.home))
@@ -102,8 +126,11 @@ class Daemon:
 
     def wait_run(self, run_id: int, states=("succeeded", "failed", "cancelled"), timeout: float = 60) -> dict:
         try:
-            return wait_for(lambda: (r := self.run(run_id))["state"] in states and r, timeout,
-                            what=f"run {run_id} to become {'/'.join(states)}")
+            return wait_for(
+                lambda: (r := self.run(run_id))["state"] in states and r,
+                timeout,
+                what=f"run {run_id} to become {'/'.join(states)}",
+            )
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{self.diagnose(run_id)}") from None
 

@@ -13,21 +13,48 @@ from runtoml import run_toml, toml_value
 
 EYAS = str(Path(sys.executable).parent / "eyas")
 
-KIMI_AUTO_MAP = {"AutoConfig": "configuration_kimi_k25.KimiK25Config",
-                 "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
-                 "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration"}
-DEEPSEEK_TEXT = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61,
-                 "hidden_size": 7168, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
-                 "n_routed_experts": 384, "first_k_dense_replace": 1}
+KIMI_AUTO_MAP = {
+    "AutoConfig": "configuration_kimi_k25.KimiK25Config",
+    "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
+    "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
+}
+DEEPSEEK_TEXT = {
+    "model_type": "deepseek_v3",
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "num_hidden_layers": 61,
+    "hidden_size": 7168,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "n_routed_experts": 384,
+    "first_k_dense_replace": 1,
+}
 MODELS = {
     # Kimi-K2.5: a multimodal wrapper around a DeepSeek-V3 language model, with its own code.
-    "kimi": ({"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-              "auto_map": KIMI_AUTO_MAP, "text_config": {**DEEPSEEK_TEXT, "vocab_size": 163840}},
-             595_000_000_000, 64),
+    "kimi": (
+        {
+            "architectures": ["KimiK25ForConditionalGeneration"],
+            "model_type": "kimi_k25",
+            "auto_map": KIMI_AUTO_MAP,
+            "text_config": {**DEEPSEEK_TEXT, "vocab_size": 163840},
+        },
+        595_000_000_000,
+        64,
+    ),
     "deepseek": ({**DEEPSEEK_TEXT, "vocab_size": 129280, "n_routed_experts": 256}, 688_586_727_753, 163),
-    "llama": ({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 32,
-               "hidden_size": 4096, "vocab_size": 128256, "num_attention_heads": 32, "num_key_value_heads": 8},
-              16_060_522_496, 4),
+    "llama": (
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "num_hidden_layers": 32,
+            "hidden_size": 4096,
+            "vocab_size": 128256,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+        },
+        16_060_522_496,
+        4,
+    ),
 }
 H200 = 150_000_000_000
 
@@ -48,33 +75,51 @@ def make_model(root: Path, kind: str, tokenizer: Path, template: bool = True, to
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(cfg))
     shards = [f"model-{i:05d}-of-{n_shards:06d}.safetensors" for i in range(1, n_shards + 1)]
-    index = {"metadata": {"total_size": total_size or size},
-             "weight_map": {f"model.layers.{i}.weight": s for i, s in enumerate(shards)}}
+    index = {
+        "metadata": {"total_size": total_size or size},
+        "weight_map": {f"model.layers.{i}.weight": s for i, s in enumerate(shards)},
+    }
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     for s in shards:
-        (path / s).touch()      # present, empty: nothing here is ever loaded
+        (path / s).touch()  # present, empty: nothing here is ever loaded
     for f in tokenizer.iterdir():
         if template or f.name != "chat_template.jinja":
             shutil.copy(f, path / f.name)
     return path
 
 
-def write_run(root: Path, target: Path, *, backend: str = "vllm", tp: int = 8, ids: list | None = None,
-              trust: bool = True, devices: str = '"auto"', ranks: int = 1, pipeline: str | None = None,
-              tokens: int | None = 10_000, dtype: str = "bfloat16") -> Path:
+def write_run(
+    root: Path,
+    target: Path,
+    *,
+    backend: str = "vllm",
+    tp: int = 8,
+    ids: list | None = None,
+    trust: bool = True,
+    devices: str = '"auto"',
+    ranks: int = 1,
+    pipeline: str | None = None,
+    tokens: int | None = 10_000,
+    dtype: str = "bfloat16",
+) -> Path:
     """A run config beside `target`; `tokens`: a prepare summary already in the output dir."""
-    (root / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}, '
-                                     '{"role": "assistant", "content": "hello"}]}\n' * 50)
+    (root / "chat.jsonl").write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n' * 50
+    )
     out = root / "out"
     if tokens is not None:
         (out / "prepare").mkdir(parents=True, exist_ok=True)
         (out / "prepare" / "summary.json").write_text(json.dumps({"tokens": tokens, "rows_out": 10}))
-    text = run_toml("doc", toml_value(pipeline) if pipeline else None, output_dir=out,
-                    target={"path": target, "dtype": dtype, "trust_remote_code": trust},
-                    data={"path": root / "chat.jsonl"},
-                    extract={"backend": backend, "tensor_parallel_size": tp, "layer_ids": ids},
-                    resources={"ranks": ranks, "devices": toml_value(devices)},
-                    draft={"vocab_size": 32000})
+    text = run_toml(
+        "doc",
+        toml_value(pipeline) if pipeline else None,
+        output_dir=out,
+        target={"path": target, "dtype": dtype, "trust_remote_code": trust},
+        data={"path": root / "chat.jsonl"},
+        extract={"backend": backend, "tensor_parallel_size": tp, "layer_ids": ids},
+        resources={"ranks": ranks, "devices": toml_value(devices)},
+        draft={"vocab_size": 32000},
+    )
     path = root / "run.toml"
     path.write_text(text)
     return path

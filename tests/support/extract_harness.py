@@ -26,7 +26,7 @@ def token_rows(tokenizer_dir: Path, lengths: list[int], seed: int = 0) -> list[l
     rows = []
     for n in lengths:
         start = rng.randrange(len(ids) - n)
-        rows.append(ids[start:start + n])
+        rows.append(ids[start : start + n])
     return rows
 
 
@@ -34,25 +34,43 @@ def write_dataset(output_dir: Path, rows: list[list[int]]) -> Path:
     """prepare's output, as speculators' prepare-data writes it (torch format)."""
     import datasets
 
-    ds = datasets.Dataset.from_dict({"input_ids": rows, "loss_mask": [[1] * len(r) for r in rows],
-                                     "seq_len": [len(r) for r in rows]})
+    ds = datasets.Dataset.from_dict(
+        {"input_ids": rows, "loss_mask": [[1] * len(r) for r in rows], "seq_len": [len(r) for r in rows]}
+    )
     ds.set_format("torch")
     path = output_dir / "prepare" / "dataset"
     ds.save_to_disk(str(path))
     return path
 
 
-def context(output_dir: Path, target: Path, dtype="float32", layer_ids=None, batch_size=4,
-            rank=0, world_size=1, trust_remote_code=False) -> RankContext:
+def context(
+    output_dir: Path,
+    target: Path,
+    dtype="float32",
+    layer_ids=None,
+    batch_size=4,
+    rank=0,
+    world_size=1,
+    trust_remote_code=False,
+) -> RankContext:
     attempt_dir = output_dir.parent / f"attempt-{rank}-{time.monotonic_ns()}"
     attempt_dir.mkdir(parents=True)
     return RankContext(
-        rank=rank, world_size=world_size, local_rank=rank, master_addr="127.0.0.1", master_port=0,
-        run_id=None, stage="extract", attempt=1, attempt_dir=attempt_dir, output_dir=output_dir,
-        config={"target": {"path": str(target), "dtype": dtype, "trust_remote_code": trust_remote_code},
-                "extract": {"backend": "hf", "layer_ids": layer_ids, "tensor_parallel_size": 1,
-                            "batch_size": batch_size},
-                "resources": {"ranks": world_size, "devices": "cpu"}},
+        rank=rank,
+        world_size=world_size,
+        local_rank=rank,
+        master_addr="127.0.0.1",
+        master_port=0,
+        run_id=None,
+        stage="extract",
+        attempt=1,
+        attempt_dir=attempt_dir,
+        output_dir=output_dir,
+        config={
+            "target": {"path": str(target), "dtype": dtype, "trust_remote_code": trust_remote_code},
+            "extract": {"backend": "hf", "layer_ids": layer_ids, "tensor_parallel_size": 1, "batch_size": batch_size},
+            "resources": {"ranks": world_size, "devices": "cpu"},
+        },
         progress=ProgressWriter(attempt_dir / f"rank-{rank}.progress.jsonl", min_interval=0),
     )
 

@@ -16,9 +16,20 @@ def run_prepare(cfg: dict, out: Path, attempt: int = 1) -> dict:
     """Run the stage's entry point as the rank runtime would; return its summary.json."""
     attempt_dir = out / "attempts" / f"attempt-{attempt}"
     attempt_dir.mkdir(parents=True, exist_ok=True)
-    ctx = RankContext(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=29500, run_id=1,
-                      stage="prepare", attempt=attempt, attempt_dir=attempt_dir, output_dir=out, config=cfg,
-                      progress=ProgressWriter(attempt_dir / "rank-0.progress.jsonl"))
+    ctx = RankContext(
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        master_addr="127.0.0.1",
+        master_port=29500,
+        run_id=1,
+        stage="prepare",
+        attempt=attempt,
+        attempt_dir=attempt_dir,
+        output_dir=out,
+        config=cfg,
+        progress=ProgressWriter(attempt_dir / "rank-0.progress.jsonl"),
+    )
     try:
         prepare.main(ctx)
     finally:

@@ -64,25 +64,48 @@ class Rank:
 def start_rank(tmp_path):
     started: list[Rank] = []
 
-    def start(options: dict | None = None, *, rank: int = 0, world_size: int = 1, attempt: int = 1,
-              stage: str = "selftest", preexec_fn=None, env: dict[str, str] | None = None) -> Rank:
+    def start(
+        options: dict | None = None,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        attempt: int = 1,
+        stage: str = "selftest",
+        preexec_fn=None,
+        env: dict[str, str] | None = None,
+    ) -> Rank:
         attempt_dir = tmp_path / "runs" / "7" / stage / f"attempt-{attempt}"
         attempt_dir.mkdir(parents=True, exist_ok=True)
         output_dir = tmp_path / "out"
         config = tmp_path / f"config-{attempt}.json"
         config.write_text(json.dumps({"stages": {stage: {"options": options or {}}}}))
         env = {
-            **os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511", "EYAS_RUN_ID": "7",
-            "EYAS_STAGE": stage, "EYAS_ATTEMPT": str(attempt), "EYAS_ATTEMPT_DIR": str(attempt_dir),
-            "EYAS_OUTPUT_DIR": str(output_dir), "EYAS_CONFIG": str(config), "PYTHONUNBUFFERED": "1",
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29511",
+            "EYAS_RUN_ID": "7",
+            "EYAS_STAGE": stage,
+            "EYAS_ATTEMPT": str(attempt),
+            "EYAS_ATTEMPT_DIR": str(attempt_dir),
+            "EYAS_OUTPUT_DIR": str(output_dir),
+            "EYAS_CONFIG": str(config),
+            "PYTHONUNBUFFERED": "1",
             **(env or {}),
         }
         log_fd = os.open(attempt_dir / f"rank-{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "eyas.workers.runtime.monitor"], stdin=subprocess.DEVNULL,
-                                    stdout=log_fd, stderr=log_fd, env=env, start_new_session=True,
-                                    preexec_fn=preexec_fn)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "eyas.workers.runtime.monitor"],
+                stdin=subprocess.DEVNULL,
+                stdout=log_fd,
+                stderr=log_fd,
+                env=env,
+                start_new_session=True,
+                preexec_fn=preexec_fn,
+            )
         finally:
             os.close(log_fd)
         started.append(Rank(proc, attempt_dir, output_dir, rank))

@@ -31,16 +31,29 @@ def toml_value(literal: str) -> Any:
     return tomllib.loads(f"v = {literal}")["v"]
 
 
-def extract_toml(name: str, output_dir: Path, target: Path, *, backend: str = "hf", ranks: int = 1,
-                 tp: int | None = None, batch_size: int = 4, layer_ids: list[int] | None = None,
-                 options: dict | None = None) -> str:
+def extract_toml(
+    name: str,
+    output_dir: Path,
+    target: Path,
+    *,
+    backend: str = "hf",
+    ranks: int = 1,
+    tp: int | None = None,
+    batch_size: int = 4,
+    layer_ids: list[int] | None = None,
+    options: dict | None = None,
+) -> str:
     """An extract-only run on CPU of a tiny float32 target. The preflight is off: these runs test
     extraction alone (the doctor's tests cover the preflight stage)."""
-    return run_toml(name, ["extract"], output_dir=output_dir, preflight=False,
-                    target={"path": target, "dtype": "float32"},
-                    resources={"ranks": ranks, "devices": "cpu"},
-                    extract={"backend": backend, "tensor_parallel_size": tp, "batch_size": batch_size,
-                             "layer_ids": layer_ids},
-                    # The default 32000 exceeds the tiny vocabulary.
-                    draft={"vocab_size": 256},
-                    stages={"extract": {"options": options}} if options is not None else None)
+    return run_toml(
+        name,
+        ["extract"],
+        output_dir=output_dir,
+        preflight=False,
+        target={"path": target, "dtype": "float32"},
+        resources={"ranks": ranks, "devices": "cpu"},
+        extract={"backend": backend, "tensor_parallel_size": tp, "batch_size": batch_size, "layer_ids": layer_ids},
+        # The default 32000 exceeds the tiny vocabulary.
+        draft={"vocab_size": 256},
+        stages={"extract": {"options": options}} if options is not None else None,
+    )

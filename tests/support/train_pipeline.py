@@ -20,18 +20,30 @@ from runtoml import run_toml
 
 REPO = Path(__file__).resolve().parents[2]
 
-def config(root: Path, target: Path, data: Path, rows: int = 40, draft_vocab: int = 256,
-           validation_fraction: float = 0.2, **train) -> dict:
+
+def config(
+    root: Path,
+    target: Path,
+    data: Path,
+    rows: int = 40,
+    draft_vocab: int = 256,
+    validation_fraction: float = 0.2,
+    **train,
+) -> dict:
     """The run config, checked and resolved by eyas' own loader (defaults filled in)."""
     from eyas.state.runconfig import load
 
     # Sized to keep the stages quick on two loaded cores: ~40 rows of ~70 tokens.
-    text = run_toml("train-test", ["prepare", "extract", "vocab", "train"],
-                    target={"path": target, "dtype": "float32"},
-                    data={"path": data, "max_length": 128, "limit": rows, "validation_fraction": validation_fraction},
-                    extract={"batch_size": 8}, resources={"ranks": 1, "devices": "cpu"},
-                    draft={"vocab_size": draft_vocab, "ttt_steps": 3},
-                    train={"epochs": 2, "lr": 1e-3, "batch_tokens": 512, "seed": 0})
+    text = run_toml(
+        "train-test",
+        ["prepare", "extract", "vocab", "train"],
+        target={"path": target, "dtype": "float32"},
+        data={"path": data, "max_length": 128, "limit": rows, "validation_fraction": validation_fraction},
+        extract={"batch_size": 8},
+        resources={"ranks": 1, "devices": "cpu"},
+        draft={"vocab_size": draft_vocab, "ttt_steps": 3},
+        train={"epochs": 2, "lr": 1e-3, "batch_tokens": 512, "seed": 0},
+    )
     path = root / f"run-{time.monotonic_ns()}.toml"
     path.write_text(text)
     cfg = load(path).to_dict()
@@ -39,8 +51,9 @@ def config(root: Path, target: Path, data: Path, rows: int = 40, draft_vocab: in
     return cfg
 
 
-def context(stage: str, out: Path, cfg: dict, rank: int = 0, world_size: int = 1, attempt: int = 1,
-            options: dict | None = None):
+def context(
+    stage: str, out: Path, cfg: dict, rank: int = 0, world_size: int = 1, attempt: int = 1, options: dict | None = None
+):
     from eyas.workers.runtime.progress import ProgressWriter
     from eyas.workers.runtime.rank import RankContext
 
@@ -49,10 +62,21 @@ def context(stage: str, out: Path, cfg: dict, rank: int = 0, world_size: int = 1
     if options is not None:
         cfg = json.loads(json.dumps(cfg))
         cfg.setdefault("stages", {})[stage] = {"options": options}
-    return RankContext(rank=rank, world_size=world_size, local_rank=rank, master_addr="127.0.0.1",
-                       master_port=0, run_id=None, stage=stage, attempt=attempt, attempt_dir=attempt_dir,
-                       output_dir=out, config=cfg, options=dict(options or {}),
-                       progress=ProgressWriter(attempt_dir / f"rank-{rank}.progress.jsonl", min_interval=0))
+    return RankContext(
+        rank=rank,
+        world_size=world_size,
+        local_rank=rank,
+        master_addr="127.0.0.1",
+        master_port=0,
+        run_id=None,
+        stage=stage,
+        attempt=attempt,
+        attempt_dir=attempt_dir,
+        output_dir=out,
+        config=cfg,
+        options=dict(options or {}),
+        progress=ProgressWriter(attempt_dir / f"rank-{rank}.progress.jsonl", min_interval=0),
+    )
 
 
 def run_stage(module, stage: str, out: Path, cfg: dict, **kw):
@@ -107,30 +131,56 @@ def vllm_generate(target: Path, draft: Path, timeout: float = 420) -> tuple[int,
     """(exit code, {"texts", "token_ids", "metrics"} or None, the child's output)."""
     from eyas.workers.vllm.settings import speculative_env
 
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1", **speculative_env(target, on_gpu=False)}
-    p = subprocess.run([sys.executable, __file__, "vllm", str(target), str(draft)], capture_output=True, text=True,
-                       env=env, timeout=timeout, cwd=str(REPO))
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PYTHONUNBUFFERED": "1",
+        **speculative_env(target, on_gpu=False),
+    }
+    p = subprocess.run(
+        [sys.executable, __file__, "vllm", str(target), str(draft)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=str(REPO),
+    )
     out = p.stdout + p.stderr
     result = None
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT "):])
+            result = json.loads(line[len("RESULT ") :])
     return p.returncode, result, out
 
 
 def _vllm_main(target: str, draft: str) -> None:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=target, speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": 3},
-              enforce_eager=True, dtype="float32", max_model_len=512, max_num_seqs=2, disable_log_stats=False)
+    llm = LLM(
+        model=target,
+        speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": 3},
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=2,
+        disable_log_stats=False,
+    )
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))
     metrics = {}
     for m in llm.get_metrics():
         if m.name.startswith("vllm:spec_decode") and hasattr(m, "value"):
             metrics[m.name] = m.value
-    print("RESULT " + json.dumps({"texts": [o.outputs[0].text for o in outs],
-                                  "token_ids": [list(o.outputs[0].token_ids) for o in outs],
-                                  "metrics": metrics}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "texts": [o.outputs[0].text for o in outs],
+                "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+                "metrics": metrics,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -52,14 +52,15 @@ def log_lines(rank: int, count: int, start: float, step: float = 1.0, error_at: 
         ms = (rank * 37 + i * 11) % 1000
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", t) + f",{ms:03d}"
         if error_at is not None and i == error_at:
-            out += [f"{stamp} ERROR eyas.extract: batch {i} failed on rank {rank}",
-                    "Traceback (most recent call last):",
-                    '  File "/opt/eyas/workers/stages/extract.py", line 88, in main',
-                    "    hidden = capture(batch)",
-                    "RuntimeError: capture hook saw no hidden states"]
+            out += [
+                f"{stamp} ERROR eyas.extract: batch {i} failed on rank {rank}",
+                "Traceback (most recent call last):",
+                '  File "/opt/eyas/workers/stages/extract.py", line 88, in main',
+                "    hidden = capture(batch)",
+                "RuntimeError: capture hook saw no hidden states",
+            ]
             continue
-        out.append(f"{stamp} INFO eyas.extract: rank {rank} batch {i}/400 tokens {(i + 1) * 2048} "
-                   f"({(i + 1) / 4:.1f}%)")
+        out.append(f"{stamp} INFO eyas.extract: rank {rank} batch {i}/400 tokens {(i + 1) * 2048} ({(i + 1) / 4:.1f}%)")
     return "\n".join(out) + "\n"
 
 
@@ -78,8 +79,23 @@ def build(home: Path, *, fresh: bool = True) -> dict:
     return ids
 
 
-def _stage_run(db, home, run_id, name, t0, dur, *, world=1, devices=None, state="succeeded", tok_s=None,
-               peak=None, reason="every rank exited 0", attempts=1, ranks_state="exited"):
+def _stage_run(
+    db,
+    home,
+    run_id,
+    name,
+    t0,
+    dur,
+    *,
+    world=1,
+    devices=None,
+    state="succeeded",
+    tok_s=None,
+    peak=None,
+    reason="every rank exited 0",
+    attempts=1,
+    ranks_state="exited",
+):
     """One stage with `attempts` attempts, the last ending in `state` (the others failed)."""
     store.move_stage(db, run_id, name, "running", "started", now=t0)
     t = t0
@@ -89,16 +105,32 @@ def _stage_run(db, home, run_id, name, t0, dur, *, world=1, devices=None, state=
         adir.mkdir(parents=True, exist_ok=True)
         aid, _ = store.new_attempt(db, run_id, name, dir=str(adir), world_size=world, devices=devices or [], now=t)
         for r in range(world):
-            store.upsert_rank(db, aid, r, pid=40000 + 100 * number + r, host="gpu-box", state="running",
-                              device=str(devices[r]) if devices else None, started_at=t,
-                              log_path=str(adir / f"rank-{r}.log"))
+            store.upsert_rank(
+                db,
+                aid,
+                r,
+                pid=40000 + 100 * number + r,
+                host="gpu-box",
+                state="running",
+                device=str(devices[r]) if devices else None,
+                started_at=t,
+                log_path=str(adir / f"rank-{r}.log"),
+            )
         end = t + (dur if last else dur / 3)
         if last and state == "running":
             return aid
         for r in range(world):
-            store.upsert_rank(db, aid, r, state=ranks_state if last else "killed", exit_code=0 if last else None,
-                              signal=None if last else 15, ended_at=end, tok_s=(tok_s / world if tok_s else None),
-                              peak_gpu_mem=peak)
+            store.upsert_rank(
+                db,
+                aid,
+                r,
+                state=ranks_state if last else "killed",
+                exit_code=0 if last else None,
+                signal=None if last else 15,
+                ended_at=end,
+                tok_s=(tok_s / world if tok_s else None),
+                peak_gpu_mem=peak,
+            )
         store.move_attempt(db, aid, state if last else "failed", reason if last else "rank 0 failed", now=end)
         t = end + 5
     if tok_s or peak:
@@ -109,16 +141,29 @@ def _stage_run(db, home, run_id, name, t0, dur, *, world=1, devices=None, state=
 
 def _done_run(db, home) -> int:
     t = BASE
-    run_id = store.create_run(db, name="llama-8b-eagle3", model="Llama-3.1-8B-Instruct",
-                              stages=[{"name": s, "world_size": 1} for s in PIPELINE], now=t)
+    run_id = store.create_run(
+        db,
+        name="llama-8b-eagle3",
+        model="Llama-3.1-8B-Instruct",
+        stages=[{"name": s, "world_size": 1} for s in PIPELINE],
+        now=t,
+    )
     store.move_run(db, run_id, "running", "starting preflight", now=t + 1)
     durations = {"preflight": 12, "prepare": 310, "extract": 2710, "vocab": 45, "train": 7260, "evaluate": 640}
     t += 1
     for s in PIPELINE:
-        _stage_run(db, home, run_id, s, t, durations[s], world=8 if s in ("extract", "train") else 1,
-                   devices=list(range(8)) if s in ("extract", "train") else [0],
-                   tok_s={"extract": 48211.0, "train": 9120.5}.get(s), peak={"extract": 61.2 * GiB,
-                                                                              "train": 74.8 * GiB}.get(s))
+        _stage_run(
+            db,
+            home,
+            run_id,
+            s,
+            t,
+            durations[s],
+            world=8 if s in ("extract", "train") else 1,
+            devices=list(range(8)) if s in ("extract", "train") else [0],
+            tok_s={"extract": 48211.0, "train": 9120.5}.get(s),
+            peak={"extract": 61.2 * GiB, "train": 74.8 * GiB}.get(s),
+        )
         t += durations[s] + 5
     db["runs"].update(run_id, {"tok_s": 9120.5, "peak_gpu_mem": 74.8 * GiB})
     store.move_run(db, run_id, "succeeded", "every stage succeeded or was skipped", now=t)
@@ -127,29 +172,81 @@ def _done_run(db, home) -> int:
 
 def _failed_run(db, home) -> int:
     t = BASE + 3 * 3600
-    run_id = store.create_run(db, name="qwen-draft", model="Qwen3-32B",
-                              stages=[{"name": s, "world_size": 4} for s in PIPELINE], now=t)
+    run_id = store.create_run(
+        db, name="qwen-draft", model="Qwen3-32B", stages=[{"name": s, "world_size": 4} for s in PIPELINE], now=t
+    )
     store.move_run(db, run_id, "running", "starting preflight", now=t + 1)
     t += 1
     for s, d in (("preflight", 9), ("prepare", 120), ("extract", 1500), ("vocab", 30)):
-        _stage_run(db, home, run_id, s, t, d, world=4, devices=[0, 1, 2, 3], tok_s=3050.0 if s == "extract" else None,
-                   peak=40 * GiB if s == "extract" else None)
+        _stage_run(
+            db,
+            home,
+            run_id,
+            s,
+            t,
+            d,
+            world=4,
+            devices=[0, 1, 2, 3],
+            tok_s=3050.0 if s == "extract" else None,
+            peak=40 * GiB if s == "extract" else None,
+        )
         t += d + 5
     why = "rank 1 failed: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB."
-    aid = _stage_run(db, home, run_id, "train", t, 600, world=4, devices=[0, 1, 2, 3], state="failed",
-                     reason=why, ranks_state="killed", peak=78.9 * GiB)
+    aid = _stage_run(
+        db,
+        home,
+        run_id,
+        "train",
+        t,
+        600,
+        world=4,
+        devices=[0, 1, 2, 3],
+        state="failed",
+        reason=why,
+        ranks_state="killed",
+        peak=78.9 * GiB,
+    )
     adir = paths.attempt_dir(run_id, "train", 1, home)
     store.upsert_rank(db, aid, 1, state="failed", exit_code=1, signal=None)
     store.upsert_rank(db, aid, 3, state="failed", exit_code=1, signal=None)
-    root = {"type": "torch.OutOfMemoryError", "message": TRACEBACK.strip().splitlines()[-1].split(": ", 1)[1],
-            "traceback": TRACEBACK, "rank": 1, "pid": 40101, "host": "gpu-box", "time": t + 598.25}
+    root = {
+        "type": "torch.OutOfMemoryError",
+        "message": TRACEBACK.strip().splitlines()[-1].split(": ", 1)[1],
+        "traceback": TRACEBACK,
+        "rank": 1,
+        "pid": 40101,
+        "host": "gpu-box",
+        "time": t + 598.25,
+    }
     (adir / "rank-1.error.json").write_text(json.dumps(root))
-    store.record_error(db, aid, rank=1, type=root["type"], message=root["message"], traceback=TRACEBACK,
-                       time_=t + 598.25, root_cause=True, source="exception", pid=40101, host="gpu-box",
-                       path=str(adir / "rank-1.error.json"))
-    store.record_error(db, aid, rank=3, type="RuntimeError", message="NCCL communicator was aborted on rank 3.",
-                       traceback=SECONDARY, time_=t + 599.5, root_cause=False, source="exception", pid=40103,
-                       host="gpu-box", path=str(adir / "rank-3.error.json"))
+    store.record_error(
+        db,
+        aid,
+        rank=1,
+        type=root["type"],
+        message=root["message"],
+        traceback=TRACEBACK,
+        time_=t + 598.25,
+        root_cause=True,
+        source="exception",
+        pid=40101,
+        host="gpu-box",
+        path=str(adir / "rank-1.error.json"),
+    )
+    store.record_error(
+        db,
+        aid,
+        rank=3,
+        type="RuntimeError",
+        message="NCCL communicator was aborted on rank 3.",
+        traceback=SECONDARY,
+        time_=t + 599.5,
+        root_cause=False,
+        source="exception",
+        pid=40103,
+        host="gpu-box",
+        path=str(adir / "rank-3.error.json"),
+    )
     for r in range(4):
         (adir / f"rank-{r}.log").write_text(log_lines(r, 40, t, 15.0, error_at=39 if r in (1, 3) else None))
     store.move_run(db, run_id, "failed", f"train: {why}", now=t + 601)
@@ -158,8 +255,13 @@ def _failed_run(db, home) -> int:
 
 def _running_run(db, home) -> int:
     t = NOW - 3000
-    run_id = store.create_run(db, name="deepseek-v3-draft", model="DeepSeek-V3-tiny",
-                              stages=[{"name": s, "world_size": 8} for s in PIPELINE], now=t)
+    run_id = store.create_run(
+        db,
+        name="deepseek-v3-draft",
+        model="DeepSeek-V3-tiny",
+        stages=[{"name": s, "world_size": 8} for s in PIPELINE],
+        now=t,
+    )
     store.move_run(db, run_id, "running", "starting preflight", now=t + 1)
     _stage_run(db, home, run_id, "preflight", t + 1, 14, world=1, devices=[0])
     _stage_run(db, home, run_id, "prepare", t + 20, 400, world=1, devices=[0])
@@ -170,41 +272,112 @@ def _running_run(db, home) -> int:
     a1dir.mkdir(parents=True, exist_ok=True)
     a1, _ = store.new_attempt(db, run_id, "extract", dir=str(a1dir), world_size=8, devices=list(range(8)), now=start)
     for r in range(8):
-        store.upsert_rank(db, a1, r, pid=41000 + r, host="gpu-box", device=str(r), started_at=start,
-                          state="failed" if r == 5 else "killed", exit_code=None, signal=9 if r == 5 else 15,
-                          oom_killed=int(r == 5), ended_at=start + 600, log_path=str(a1dir / f"rank-{r}.log"))
-    store.record_error(db, a1, rank=5, type="SIGKILL", message="rank 5 was killed by SIGKILL (signal 9): "
-                       "the kernel's OOM killer", traceback="", time_=start + 600, root_cause=True,
-                       source="signal", pid=41005, host="gpu-box", path=None)
+        store.upsert_rank(
+            db,
+            a1,
+            r,
+            pid=41000 + r,
+            host="gpu-box",
+            device=str(r),
+            started_at=start,
+            state="failed" if r == 5 else "killed",
+            exit_code=None,
+            signal=9 if r == 5 else 15,
+            oom_killed=int(r == 5),
+            ended_at=start + 600,
+            log_path=str(a1dir / f"rank-{r}.log"),
+        )
+    store.record_error(
+        db,
+        a1,
+        rank=5,
+        type="SIGKILL",
+        message="rank 5 was killed by SIGKILL (signal 9): the kernel's OOM killer",
+        traceback="",
+        time_=start + 600,
+        root_cause=True,
+        source="signal",
+        pid=41005,
+        host="gpu-box",
+        path=None,
+    )
     store.move_attempt(db, a1, "failed", "rank 5 failed: SIGKILL", now=start + 600)
     db["stages"].update(store.stage_row(db, run_id, "extract")["id"], {"restarts": 1})
     a2start = start + 610
     a2dir = paths.attempt_dir(run_id, "extract", 2, home)
     a2dir.mkdir(parents=True, exist_ok=True)
-    a2, _ = store.new_attempt(db, run_id, "extract", dir=str(a2dir), world_size=8, devices=list(range(8)),
-                              now=a2start)
+    a2, _ = store.new_attempt(db, run_id, "extract", dir=str(a2dir), world_size=8, devices=list(range(8)), now=a2start)
     for r in range(8):
         # pids no process can have (above any pid_max): nothing live is looked up.
-        store.upsert_rank(db, a2, r, pid=4_900_000 + r, host="gpu-box", device=str(r), started_at=a2start,
-                          state="running", log_path=str(a2dir / f"rank-{r}.log"), peak_gpu_mem=(60 + r) * GiB)
+        store.upsert_rank(
+            db,
+            a2,
+            r,
+            pid=4_900_000 + r,
+            host="gpu-box",
+            device=str(r),
+            started_at=a2start,
+            state="running",
+            log_path=str(a2dir / f"rank-{r}.log"),
+            peak_gpu_mem=(60 + r) * GiB,
+        )
         (a2dir / f"rank-{r}.log").write_text(log_lines(r, 240, a2start + 3, 7.0))
     rows = []
     for k in range(300):
         ts = NOW - 299 + k
         for g in range(8):
-            rows.append({"time": ts, "run_id": None, "stage": None, "attempt": None, "rank": None,
-                         "name": f"gpu{g}.mem_total", "value": 80.0 * GiB})
-            rows.append({"time": ts, "run_id": None, "stage": None, "attempt": None, "rank": None,
-                         "name": f"gpu{g}.mem_used", "value": (52 + g + 4 * math.sin(k / 30 + g)) * GiB})
+            rows.append(
+                {
+                    "time": ts,
+                    "run_id": None,
+                    "stage": None,
+                    "attempt": None,
+                    "rank": None,
+                    "name": f"gpu{g}.mem_total",
+                    "value": 80.0 * GiB,
+                }
+            )
+            rows.append(
+                {
+                    "time": ts,
+                    "run_id": None,
+                    "stage": None,
+                    "attempt": None,
+                    "rank": None,
+                    "name": f"gpu{g}.mem_used",
+                    "value": (52 + g + 4 * math.sin(k / 30 + g)) * GiB,
+                }
+            )
         for r in range(8):
-            for name, value in (("gpu_mem_bytes", (52 + r + 4 * math.sin(k / 30 + r)) * GiB),
-                                ("tok_s", 6000 + 800 * math.sin(k / 20 + r) + 40 * r),
-                                ("cpu_percent", 97.0 + r), ("rss_bytes", (11 + r / 4) * GiB)):
-                rows.append({"time": ts, "run_id": run_id, "stage": "extract", "attempt": 2, "rank": r,
-                             "name": name, "value": value})
+            for name, value in (
+                ("gpu_mem_bytes", (52 + r + 4 * math.sin(k / 30 + r)) * GiB),
+                ("tok_s", 6000 + 800 * math.sin(k / 20 + r) + 40 * r),
+                ("cpu_percent", 97.0 + r),
+                ("rss_bytes", (11 + r / 4) * GiB),
+            ):
+                rows.append(
+                    {
+                        "time": ts,
+                        "run_id": run_id,
+                        "stage": "extract",
+                        "attempt": 2,
+                        "rank": r,
+                        "name": name,
+                        "value": value,
+                    }
+                )
         for name, value in (("progress", 0.5 + k / 1500), ("eta_s", 1460.0 - k * 2), ("tok_s", 48500.0)):
-            rows.append({"time": ts, "run_id": run_id, "stage": "extract", "attempt": 2, "rank": None,
-                         "name": name, "value": value})
+            rows.append(
+                {
+                    "time": ts,
+                    "run_id": run_id,
+                    "stage": "extract",
+                    "attempt": 2,
+                    "rank": None,
+                    "name": name,
+                    "value": value,
+                }
+            )
     store.insert_metrics(db, rows)
     db["stages"].update(store.stage_row(db, run_id, "extract")["id"], {"tok_s": 48500.0, "peak_gpu_mem": 67 * GiB})
     db["runs"].update(run_id, {"tok_s": 48500.0, "peak_gpu_mem": 67 * GiB})
@@ -213,8 +386,9 @@ def _running_run(db, home) -> int:
 
 def _cpu_run(db, home) -> int:
     t = BASE + 4 * 3600
-    run_id = store.create_run(db, name="cpu-smoke", model="tiny-llama",
-                              stages=[{"name": "selftest", "world_size": 2}], now=t)
+    run_id = store.create_run(
+        db, name="cpu-smoke", model="tiny-llama", stages=[{"name": "selftest", "world_size": 2}], now=t
+    )
     store.move_run(db, run_id, "running", "starting selftest", now=t + 1)
     aid = _stage_run(db, home, run_id, "selftest", t + 1, 30, world=2, state="running")
     adir = paths.attempt_dir(run_id, "selftest", 1, home)

@@ -15,8 +15,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = {"daemon": "eyas.daemon", "state": "eyas.state", "workers": "eyas.workers", "tui": "eyas.tui",
-           "wire": "eyas.wire", "cli": "eyas.cli"}
+FOLDERS = {
+    "daemon": "eyas.daemon",
+    "state": "eyas.state",
+    "workers": "eyas.workers",
+    "tui": "eyas.tui",
+    "wire": "eyas.wire",
+    "cli": "eyas.cli",
+}
 ENGINES = {"torch", "transformers", "vllm", "textual", "speculators", "safetensors", "datasets", "numpy"}
 # The only parts of eyas.workers the daemon may know: pure modules (stdlib; pynvml for nvml).
 # The stage specs and the run config are eyas.state's (specs.py, runconfig.py).
@@ -87,9 +93,19 @@ def _is_real_module(name: str) -> bool:
 
 
 def test_state_imports_nothing_of_eyas():
-    assert _violations("state", lambda n: "eyas.state must not import other eyas code"
-                       if _eyas_module(n) and not n.startswith("eyas.state") and _is_real_module(n) else
-                       "eyas.state is stdlib, sqlite-utils and pydantic only" if _top(n) in ENGINES else None) == []
+    assert (
+        _violations(
+            "state",
+            lambda n: (
+                "eyas.state must not import other eyas code"
+                if _eyas_module(n) and not n.startswith("eyas.state") and _is_real_module(n)
+                else "eyas.state is stdlib, sqlite-utils and pydantic only"
+                if _top(n) in ENGINES
+                else None
+            ),
+        )
+        == []
+    )
 
 
 def test_daemon_imports_no_engines_and_only_worker_specs():
@@ -103,6 +119,7 @@ def test_daemon_imports_no_engines_and_only_worker_specs():
         if n.startswith("eyas.cli") and _is_real_module(n):
             return "the daemon process never imports the CLI"
         return None
+
     assert _violations("daemon", rule) == []
 
 
@@ -118,16 +135,32 @@ def test_worker_specs_are_stdlib_only():
 
 
 def test_workers_import_no_daemon_or_tui():
-    assert _violations("workers", lambda n: "workers meet the daemon only through the rank contract"
-                       if n.startswith(("eyas.daemon", "eyas.tui", "eyas.wire", "eyas.cli")) and _is_real_module(n)
-                       else None) == []
+    assert (
+        _violations(
+            "workers",
+            lambda n: (
+                "workers meet the daemon only through the rank contract"
+                if n.startswith(("eyas.daemon", "eyas.tui", "eyas.wire", "eyas.cli")) and _is_real_module(n)
+                else None
+            ),
+        )
+        == []
+    )
 
 
 def test_tui_uses_only_client_protocol_and_read_only_state():
     allowed_wire = {"eyas.wire", "eyas.wire.client", "eyas.wire.protocol"}
-    allowed_state = {"eyas.state", "eyas.state.queries", "eyas.state.paths", "eyas.state.machine",
-                     "eyas.state.display", "eyas.state.logtime", "eyas.state.procs", "eyas.state.logcut",
-                     "eyas.state.contract"}
+    allowed_state = {
+        "eyas.state",
+        "eyas.state.queries",
+        "eyas.state.paths",
+        "eyas.state.machine",
+        "eyas.state.display",
+        "eyas.state.logtime",
+        "eyas.state.procs",
+        "eyas.state.logcut",
+        "eyas.state.contract",
+    }
 
     def rule(n):
         if n.startswith(("eyas.daemon", "eyas.cli")) and _is_real_module(n):
@@ -139,12 +172,13 @@ def test_tui_uses_only_client_protocol_and_read_only_state():
         if n.startswith("eyas.workers") or _top(n) in {"torch", "transformers", "vllm"}:
             return "the TUI loads no engines"
         return None
+
     assert _violations("tui", rule) == []
 
 
 def test_the_checker_sees_violations(tmp_path):
     """The rule walker must catch a lazy import inside a function; otherwise the tests above prove nothing."""
-    probe = tmp_path / "_probe_import_rules.py"      # never inside the package tree
+    probe = tmp_path / "_probe_import_rules.py"  # never inside the package tree
     probe.write_text("def f():\n    import torch\n    from ..workers import runtime\n")
     found = imports_of(probe, "eyas.daemon._probe_import_rules")
     assert {"torch", "eyas.workers.runtime"} <= found
@@ -153,9 +187,14 @@ def test_the_checker_sees_violations(tmp_path):
 def _lint_imports(tree: Path) -> subprocess.CompletedProcess:
     """`make lint`'s import check (lint-imports, the contracts in pyproject.toml) on a copy of
     the source under `tree`, found first on the path."""
-    return subprocess.run([str(Path(sys.executable).with_name("lint-imports")), "--no-cache"], cwd=tree,
-                          env={**os.environ, "PYTHONPATH": str(tree / "src")}, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [str(Path(sys.executable).with_name("lint-imports")), "--no-cache"],
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree / "src")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_make_lint_fails_on_a_planted_forbidden_import(tmp_path):

@@ -65,8 +65,11 @@ class EyasScreen(Screen):
             self.notify("Read-only: controls are off (started with --readonly).", severity="warning")
             return True
         if not self.app.link.connected:
-            self.notify("The eyas daemon is not connected: controls are unavailable until it is back "
-                        "(start it with `eyas daemon start`).", severity="error")
+            self.notify(
+                "The eyas daemon is not connected: controls are unavailable until it is back "
+                "(start it with `eyas daemon start`).",
+                severity="error",
+            )
             return True
         return False
 

@@ -102,9 +102,11 @@ class ErrorsScreen(EyasScreen):
             head.update(f"Run {self.run_id} has no recorded errors.")
             return
         attempts = {(e["stage"], e["attempt"]) for e in self.errors}
-        head.update(f"Run {self.run_id}: {len(self.errors)} failure{'s' if len(self.errors) != 1 else ''} "
-                    f"in {len(attempts)} attempt{'s' if len(attempts) != 1 else ''}; newest first.  "
-                    "c copies the root cause's traceback (OSC 52)")
+        head.update(
+            f"Run {self.run_id}: {len(self.errors)} failure{'s' if len(self.errors) != 1 else ''} "
+            f"in {len(attempts)} attempt{'s' if len(attempts) != 1 else ''}; newest first.  "
+            "c copies the root cause's traceback (OSC 52)"
+        )
         widgets = []
         first = self.errors[0]
         newest = (first["stage"], first["attempt"])
@@ -152,5 +154,12 @@ class ErrorsScreen(EyasScreen):
         err = self._focused_error()
         if err is None:
             return
-        self.app.push_screen(LogsScreen(self.run_id, err["stage"], attempt=err["attempt"],
-                                        rank=err["rank"] if err["rank"] is not None else 0, jump_error=True))
+        self.app.push_screen(
+            LogsScreen(
+                self.run_id,
+                err["stage"],
+                attempt=err["attempt"],
+                rank=err["rank"] if err["rank"] is not None else 0,
+                jump_error=True,
+            )
+        )

@@ -55,8 +55,15 @@ class LogsScreen(EyasScreen):
         *[Binding(str(n), f"rank({n})", f"Rank {n}", show=False) for n in range(10)],
     ]
 
-    def __init__(self, run_id: int, stage: str | None = None, attempt: int | None = None,
-                 rank: int | None = 0, merged: bool = False, jump_error: bool = False) -> None:
+    def __init__(
+        self,
+        run_id: int,
+        stage: str | None = None,
+        attempt: int | None = None,
+        rank: int | None = 0,
+        merged: bool = False,
+        jump_error: bool = False,
+    ) -> None:
         super().__init__()
         self.run_id = run_id
         self.stage_name = stage
@@ -103,7 +110,7 @@ class LogsScreen(EyasScreen):
     def _open_attempt(self) -> None:
         run = self.app.history.run(self.run_id)
         view = self.query_one(LogView)
-        stage = (pick_stage(run, self.stage_name) if run else None)
+        stage = pick_stage(run, self.stage_name) if run else None
         attempts = stage["attempt_list"] if stage else []
         if not attempts:
             what = f"stage {self.stage_name}" if self.stage_name else "any stage"
@@ -118,7 +125,8 @@ class LogsScreen(EyasScreen):
         # Every rank's file, even one not written yet; other rows (TP workers that log
         # through their driver) only when they have a file of their own.
         ranks = set(range(attempt["world_size"] or 0)) | {
-            r["rank"] for r in attempt["ranks"] if (self.dir / contract.rank_file(r["rank"], contract.LOG)).exists()}
+            r["rank"] for r in attempt["ranks"] if (self.dir / contract.rank_file(r["rank"], contract.LOG)).exists()
+        }
         try:
             ranks |= {int(m.group(1)) for p in self.dir.iterdir() if (m := _RANK_FILE.fullmatch(p.name))}
         except OSError:
@@ -214,8 +222,11 @@ class LogsScreen(EyasScreen):
             seen = self._generations.setdefault(f, f.generation)
             if f.generation != seen:
                 self._generations[f] = f.generation
-                self.notify(f"{f.path.name} was cut at its bound (log_max_mb): its middle was dropped; "
-                            "the line \"eyas: ··· cut … bytes here\" marks where", severity="warning")
+                self.notify(
+                    f"{f.path.name} was cut at its bound (log_max_mb): its middle was dropped; "
+                    'the line "eyas: ··· cut … bytes here" marks where',
+                    severity="warning",
+                )
 
     def _header(self) -> None:
         head = Text.assemble((f"{self.stage_name} attempt {self.attempt_no}", "bold"), "  ")
@@ -266,8 +277,11 @@ class LogsScreen(EyasScreen):
             return
         run = self.app.history.run(self.run_id)
         stage = pick_stage(run, self.stage_name) if run else None
-        if stage and stage["attempt_list"] and (self.attempt_no is None or
-                                                stage["attempt_list"][-1]["number"] > self.attempt_no):
+        if (
+            stage
+            and stage["attempt_list"]
+            and (self.attempt_no is None or stage["attempt_list"][-1]["number"] > self.attempt_no)
+        ):
             self.attempt_no = None
             self._open_attempt()
             self.notify(f"{self.stage_name}: following attempt {self.attempt_no}")
@@ -343,7 +357,9 @@ class LogsScreen(EyasScreen):
 
     def action_filter_mode(self) -> None:
         self.mode = "highlight" if self.mode == "filter" else "filter"
-        self.notify(f"{self.mode}: " + ("only matching lines" if self.mode == "filter" else "every line, matches marked"))
+        self.notify(
+            f"{self.mode}: " + ("only matching lines" if self.mode == "filter" else "every line, matches marked")
+        )
         self._apply()
 
     def action_first_error(self) -> None:

@@ -72,10 +72,15 @@ class RanksScreen(EyasScreen):
             self.query_one(DataTable).clear(columns=True)
             return
         a = self.attempt
-        head.update(Text.assemble((f"{self.stage_name} attempt {a['number']} ", "bold"), fmt.badge(a["state"]),
-                                  f"  ·  {a['world_size']} rank{'s' if a['world_size'] != 1 else ''}"
-                                  f"  ·  devices {','.join(map(str, a['devices'])) or 'cpu'}"
-                                  f"  ·  {display.duration(a['duration'])}"))
+        head.update(
+            Text.assemble(
+                (f"{self.stage_name} attempt {a['number']} ", "bold"),
+                fmt.badge(a["state"]),
+                f"  ·  {a['world_size']} rank{'s' if a['world_size'] != 1 else ''}"
+                f"  ·  devices {','.join(map(str, a['devices'])) or 'cpu'}"
+                f"  ·  {display.duration(a['duration'])}",
+            )
+        )
         self._load_series()
         self._fill()
 
@@ -102,8 +107,9 @@ class RanksScreen(EyasScreen):
         """The rank's samples of the last minutes: history, then what arrived live since."""
         stored = self.series.get((rank, name), [])
         last = stored[-1][0] if stored else float("-inf")
-        live = self.app.live.series(self.run_id, self.stage_name, self.attempt["number"], rank, name,
-                                    now=self.app.history.clock())
+        live = self.app.live.series(
+            self.run_id, self.stage_name, self.attempt["number"], rank, name, now=self.app.history.clock()
+        )
         return [v for _, v in stored] + [v for t, v in live if t > last]
 
     # Below this width a rank takes two lines: figures above, their sparklines below.
@@ -114,8 +120,12 @@ class RanksScreen(EyasScreen):
             cols = [("rank", "rank", 4), ("pid", "pid", 8), ("state", "state", 10), ("exit", "exit", 13)]
             if gpu:
                 cols += [("gpu", "GPU memory", 30), ("gpu_spark", "GPU memory (5 min)", 22)]
-            cols += [("tok_spark", "tok/s (5 min)", 22 if gpu else 40), ("tok_s", "tok/s", 8), ("cpu", "CPU %", 6),
-                     ("rss", "RSS", 9)]
+            cols += [
+                ("tok_spark", "tok/s (5 min)", 22 if gpu else 40),
+                ("tok_s", "tok/s", 8),
+                ("cpu", "CPU %", 6),
+                ("rss", "RSS", 9),
+            ]
             return cols
         cols = [("rank", "rank", 4), ("pid", "pid", 7), ("state", "state", 9), ("exit", "exit", 8 if gpu else 13)]
         if gpu:
@@ -168,8 +178,12 @@ class RanksScreen(EyasScreen):
         cpu = self._values(rank, "cpu_percent")
         rss = self._values(rank, "rss_bytes")
         label = f"└tp{r['tp_rank']}" if r.get("role") == "tp-worker" else str(rank)
-        cells = {"rank": Text(label), "pid": Text(str(r["pid"] or "")), "state": fmt.badge(r["state"]),
-                 "exit": Text(display.exit_text(r), style="red" if r["state"] == "failed" else "")}
+        cells = {
+            "rank": Text(label),
+            "pid": Text(str(r["pid"] or "")),
+            "state": fmt.badge(r["state"]),
+            "exit": Text(display.exit_text(r), style="red" if r["state"] == "failed" else ""),
+        }
         tok_now = display.count(toks[-1] if toks and alive else r["tok_s"])
         cpu_now = f"{cpu[-1]:.0f}%" if cpu and alive else ""
         rss_now = display.size(rss[-1]).replace(" GiB", "G").replace(" MiB", "M") if rss and alive else ""
@@ -184,11 +198,16 @@ class RanksScreen(EyasScreen):
             cells["gpu_spark"] = spark
         tok_spark = fmt.sparkline(toks, widths.get("tok_spark", widths["tok_s"]))
         if "tok_spark" in widths:
-            cells.update(tok_spark=tok_spark, tok_s=Text(tok_now), cpu=Text(cpu_now.rstrip("%")),
-                         rss=Text(display.size(rss[-1]) if rss and alive else ""))
+            cells.update(
+                tok_spark=tok_spark,
+                tok_s=Text(tok_now),
+                cpu=Text(cpu_now.rstrip("%")),
+                rss=Text(display.size(rss[-1]) if rss and alive else ""),
+            )
         else:
-            cells.update(tok_s=Text("\n").join([Text(tok_now), tok_spark]),
-                         cpu=Text("\n").join([Text(cpu_now), Text(rss_now)]))
+            cells.update(
+                tok_s=Text("\n").join([Text(tok_now), tok_spark]), cpu=Text("\n").join([Text(cpu_now), Text(rss_now)])
+            )
         return cells
 
     def _child_cells(self, kid: dict, widths: dict[str, int]) -> dict:
@@ -196,8 +215,12 @@ class RanksScreen(EyasScreen):
         dim = "dim"
         cpu = f"{kid['cpu_percent']:.0f}"
         rss = display.size(kid["rss"])
-        cells = {"rank": Text("└", style=dim), "pid": Text(str(kid["pid"]), style=dim),
-                 "state": Text(kid["name"][:9], style=dim), "exit": Text(kid["status"], style=dim)}
+        cells = {
+            "rank": Text("└", style=dim),
+            "pid": Text(str(kid["pid"]), style=dim),
+            "state": Text(kid["name"][:9], style=dim),
+            "exit": Text(kid["status"], style=dim),
+        }
         if "rss" in widths:
             cells.update(cpu=Text(cpu, style=dim), rss=Text(rss, style=dim))
         else:  # the compact layout's CPU/RSS column
@@ -213,15 +236,19 @@ class RanksScreen(EyasScreen):
                 self.kids = {}
                 self._fill()
             return
-        targets = [(r["rank"], r["pid"], self._create_time(a, r["rank"])) for r in a["ranks"]
-                   if r["state"] == "running" and r["pid"]]
+        targets = [
+            (r["rank"], r["pid"], self._create_time(a, r["rank"]))
+            for r in a["ranks"]
+            if r["state"] == "running" and r["pid"]
+        ]
         self.run_worker(lambda: self._children_of(targets), thread=True, group="procs", exclusive=True)
 
     def _children_of(self, targets: list[tuple[int, int, float | None]]) -> None:
         # TP workers the daemon registered have rows of their own: not listed twice.
         known = {pid for _, pid, _ in targets}
-        found = {rank: [k for k in self.procs.descendants(pid, ct) if k["pid"] not in known]
-                 for rank, pid, ct in targets}
+        found = {
+            rank: [k for k in self.procs.descendants(pid, ct) if k["pid"] not in known] for rank, pid, ct in targets
+        }
         self.app.call_from_thread(self._show_children, found)
 
     def _show_children(self, found: dict[int, list[dict]]) -> None:
@@ -231,7 +258,9 @@ class RanksScreen(EyasScreen):
 
     def _create_time(self, attempt: dict, rank: int) -> float | None:
         try:
-            proc = json.loads((attempt_dir(attempt, self.app.history.home) / contract.rank_file(rank, contract.PROC)).read_text())
+            proc = json.loads(
+                (attempt_dir(attempt, self.app.history.home) / contract.rank_file(rank, contract.PROC)).read_text()
+            )
             return proc.get("create_time")
         except (OSError, ValueError):
             return None

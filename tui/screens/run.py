@@ -18,9 +18,16 @@ from ..widgets.pipeline import Pipeline
 from .base import EyasScreen
 
 # (key, label, width, priority); the reason column takes what is left of the width.
-STAGE_COLUMNS = [("name", "stage", 9, 0), ("state", "state", 11, 0), ("attempt", "att", 3, 0),
-                 ("restarts", "rst", 3, 2), ("duration", "duration", 8, 0), ("tok_s", "tok/s", 7, 0),
-                 ("peak", "peak GPU", 9, 1), ("reason", "reason", 6, 3)]
+STAGE_COLUMNS = [
+    ("name", "stage", 9, 0),
+    ("state", "state", 11, 0),
+    ("attempt", "att", 3, 0),
+    ("restarts", "rst", 3, 2),
+    ("duration", "duration", 8, 0),
+    ("tok_s", "tok/s", 7, 0),
+    ("peak", "peak GPU", 9, 1),
+    ("reason", "reason", 6, 3),
+]
 
 
 class RunScreen(EyasScreen):
@@ -103,9 +110,13 @@ class RunScreen(EyasScreen):
         run = self.run
         self.set_title(f"run {run['id']} · {run['name']}")
         summary = Text.assemble(
-            (f"run {run['id']} ", "bold"), (run["name"] or "", "bold"), "  ", fmt.badge(run["state"]),
+            (f"run {run['id']} ", "bold"),
+            (run["name"] or "", "bold"),
+            "  ",
+            fmt.badge(run["state"]),
             f"  ·  {run['model'] or 'no model'}  ·  started {display.local_minute(run['started_at'] or run['created_at'])}"
-            f"  ·  {display.duration(run['duration']) or '–'}")
+            f"  ·  {display.duration(run['duration']) or '–'}",
+        )
         if run["reason"] and run["state"] != "failed":  # a failure's reason is the root cause below
             summary.append(f"\n{run['reason']}", style="dim")
         self.query_one("#summary", Static).update(summary)
@@ -145,10 +156,16 @@ class RunScreen(EyasScreen):
     def _cells(self, s: dict) -> list:
         live = self.app.live.stage.get((self.run_id, s["name"]), {}) if s["state"] == "running" else {}
         toks = live.get("tok_s", s["tok_s"])
-        cells = {"name": s["name"], "state": fmt.badge(s["state"]), "attempt": str(s["attempts"] or "–"),
-                 "restarts": str(s["restarts"] or 0), "duration": display.duration(s["duration"]),
-                 "tok_s": display.count(toks), "peak": display.size(s["peak_gpu_mem"]),
-                 "reason": Text(s["reason"] or "", style="dim")}
+        cells = {
+            "name": s["name"],
+            "state": fmt.badge(s["state"]),
+            "attempt": str(s["attempts"] or "–"),
+            "restarts": str(s["restarts"] or 0),
+            "duration": display.duration(s["duration"]),
+            "tok_s": display.count(toks),
+            "peak": display.size(s["peak_gpu_mem"]),
+            "reason": Text(s["reason"] or "", style="dim"),
+        }
         return [cells[k] for k, _, _ in self._columns]
 
     def _show_progress(self) -> None:
@@ -165,8 +182,11 @@ class RunScreen(EyasScreen):
             progress, eta, toks = live.get("progress"), live.get("eta_s"), live.get("tok_s")
         elif attempt:
             progress = 1.0 if s["state"] == "succeeded" else hist.latest(self.run_id, s["name"], attempt, "progress")
-            eta = 0.0 if s["state"] == "succeeded" else (hist.latest(self.run_id, s["name"], attempt, "eta_s")
-                                                         if s["state"] == "running" else None)
+            eta = (
+                0.0
+                if s["state"] == "succeeded"
+                else (hist.latest(self.run_id, s["name"], attempt, "eta_s") if s["state"] == "running" else None)
+            )
             toks = s["tok_s"]
         else:
             progress, eta, toks = None, None, None
@@ -195,10 +215,12 @@ class RunScreen(EyasScreen):
         if "acceptance_length" in summary:
             rates = "/".join(f"{r:.2f}" for r in summary.get("per_position") or [])
             base = summary["baseline_acceptance_length"]
-            bits = [f"accept {summary['acceptance_length']:.2f} (untrained {base:.2f})",
-                    f"per position {rates}",
-                    f"{display.count(summary['draft_tok_s'])} tok/s with the draft, {display.count(summary['target_tok_s'])} "
-                    "without"]
+            bits = [
+                f"accept {summary['acceptance_length']:.2f} (untrained {base:.2f})",
+                f"per position {rates}",
+                f"{display.count(summary['draft_tok_s'])} tok/s with the draft, {display.count(summary['target_tok_s'])} "
+                "without",
+            ]
             return bits + ["lossless" if summary.get("lossless") else "NOT lossless"]
         bits = []
         for name, label in (("accept_len", "accept"), ("baseline_accept_len", "untrained")):
@@ -218,8 +240,10 @@ class RunScreen(EyasScreen):
             return
         msg = (root["message"] or "").strip().splitlines()
         msg = f": {msg[0][:120]}" if msg else " (empty message)"
-        cause.update(f"Root cause of {s['name']} attempt {s['attempt_list'][-1]['number']}: rank {root['rank']} "
-                     f"{root['type']}{msg}   (e: errors)")
+        cause.update(
+            f"Root cause of {s['name']} attempt {s['attempt_list'][-1]['number']}: rank {root['rank']} "
+            f"{root['type']}{msg}   (e: errors)"
+        )
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         if event.row_key is not None and event.row_key.value != self.stage_name:
@@ -269,14 +293,27 @@ class RunScreen(EyasScreen):
 
     def action_stop_stage(self) -> None:
         if self.stage_name:
-            self.run_worker(self.control("stop", f"Stop stage {self.stage_name} of run {self.run_id}?",
-                                         "Its ranks get SIGTERM, then SIGKILL after the grace period; the run "
-                                         "is cancelled.", run=self.run_id, stage=self.stage_name), group="control")
+            self.run_worker(
+                self.control(
+                    "stop",
+                    f"Stop stage {self.stage_name} of run {self.run_id}?",
+                    "Its ranks get SIGTERM, then SIGKILL after the grace period; the run is cancelled.",
+                    run=self.run_id,
+                    stage=self.stage_name,
+                ),
+                group="control",
+            )
 
     def action_stop_run(self) -> None:
-        self.run_worker(self.control("stop", f"Stop run {self.run_id}?",
-                                     "The running stage is torn down and the run cancelled.", run=self.run_id),
-                        group="control")
+        self.run_worker(
+            self.control(
+                "stop",
+                f"Stop run {self.run_id}?",
+                "The running stage is torn down and the run cancelled.",
+                run=self.run_id,
+            ),
+            group="control",
+        )
 
     def action_retry(self) -> None:
         if self.stage_name:
@@ -284,9 +321,16 @@ class RunScreen(EyasScreen):
 
     def action_skip(self) -> None:
         if self.stage_name:
-            self.run_worker(self.control("skip", f"Skip stage {self.stage_name} of run {self.run_id}?",
-                                         "The run continues without its outputs.", run=self.run_id,
-                                         stage=self.stage_name), group="control")
+            self.run_worker(
+                self.control(
+                    "skip",
+                    f"Skip stage {self.stage_name} of run {self.run_id}?",
+                    "The run continues without its outputs.",
+                    run=self.run_id,
+                    stage=self.stage_name,
+                ),
+                group="control",
+            )
 
     def action_resume(self) -> None:
         self.run_worker(self.control("resume", run=self.run_id), group="control")
@@ -294,5 +338,7 @@ class RunScreen(EyasScreen):
     def action_submit(self) -> None:
         if self.refuse_control():
             return
-        self.app.push_screen(SubmitScreen(self.run["config_path"] if self.run else ""),
-                             lambda result: result and self.notify(f"Run {result['run_id']} submitted"))
+        self.app.push_screen(
+            SubmitScreen(self.run["config_path"] if self.run else ""),
+            lambda result: result and self.notify(f"Run {result['run_id']} submitted"),
+        )

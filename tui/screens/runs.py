@@ -16,9 +16,17 @@ from ..widgets.modals import SubmitScreen
 from .base import EyasScreen
 
 # (key, label, width, priority): at 80 columns the higher priorities give way.
-COLUMNS = [("id", "id", 3, 0), ("name", "name", 14, 0), ("model", "model", 18, 3), ("state", "state", 11, 0),
-           ("stage", "stage", 9, 0), ("started", "started", 16, 1), ("duration", "duration", 8, 0),
-           ("peak_gpu_mem", "peak GPU", 9, 2), ("tok_s", "tok/s", 7, 0)]
+COLUMNS = [
+    ("id", "id", 3, 0),
+    ("name", "name", 14, 0),
+    ("model", "model", 18, 3),
+    ("state", "state", 11, 0),
+    ("stage", "stage", 9, 0),
+    ("started", "started", 16, 1),
+    ("duration", "duration", 8, 0),
+    ("peak_gpu_mem", "peak GPU", 9, 2),
+    ("tok_s", "tok/s", 7, 0),
+]
 NAME_MAX = 28
 STATE_FILTERS = (None, *RUN_STATES)
 
@@ -83,12 +91,17 @@ class RunsScreen(EyasScreen):
             live = self.app.live.stage.get((r["id"], r["stage"]), {}).get("tok_s")
         toks = live if live is not None else r["tok_s"]
         started = display.local_minute(r["started"])
-        cells = {"id": Text(str(r["id"]), justify="right"), "name": r["name"] or "", "model": r["model"] or "",
-                 "state": fmt.badge(r["state"]), "stage": r["stage"] or "",
-                 "started": started if self._wide_started else started[5:],
-                 "duration": Text(display.duration(r["duration"]), justify="right"),
-                 "peak_gpu_mem": Text(display.size(r["peak_gpu_mem"]), justify="right"),
-                 "tok_s": Text(display.count(toks), justify="right")}
+        cells = {
+            "id": Text(str(r["id"]), justify="right"),
+            "name": r["name"] or "",
+            "model": r["model"] or "",
+            "state": fmt.badge(r["state"]),
+            "stage": r["stage"] or "",
+            "started": started if self._wide_started else started[5:],
+            "duration": Text(display.duration(r["duration"]), justify="right"),
+            "peak_gpu_mem": Text(display.size(r["peak_gpu_mem"]), justify="right"),
+            "tok_s": Text(display.count(toks), justify="right"),
+        }
         return [cells[key] for key, _, _ in self._columns]
 
     def on_resize(self) -> None:
@@ -147,8 +160,11 @@ class RunsScreen(EyasScreen):
         self._show_filters()
 
     def _show_filters(self) -> None:
-        bits = [f"state: {self.state_filter or 'all'} (t)", f"text: {self.match or '–'} (/)",
-                f"{len(self._rows)} run{'s' if len(self._rows) != 1 else ''}"]
+        bits = [
+            f"state: {self.state_filter or 'all'} (t)",
+            f"text: {self.match or '–'} (/)",
+            f"{len(self._rows)} run{'s' if len(self._rows) != 1 else ''}",
+        ]
         self.query_one("#filterbar", Static).update("  ·  ".join(bits))
 
     def selected_run(self) -> int | None:

@@ -68,16 +68,24 @@ class Banner(Static):
         self.set_class(status.connected and bool(status.full), "full")
         self.set_class(status.connected and not status.full and bool(status.busy), "busy")
         if status.connected and status.full:
-            self.update(f"The daemon's state directory is full ({status.full}): no attempt starts and "
-                        "the record waits until space returns. Free space there; eyas goes on by itself.")
+            self.update(
+                f"The daemon's state directory is full ({status.full}): no attempt starts and "
+                "the record waits until space returns. Free space there; eyas goes on by itself."
+            )
         elif status.connected and status.busy:
-            self.update(f"Store busy: another process holds eyas.db locked ({status.busy}). Supervision goes "
-                        "on; no attempt starts and the record waits until the lock is released.")
+            self.update(
+                f"Store busy: another process holds eyas.db locked ({status.busy}). Supervision goes "
+                "on; no attempt starts and the record waits until the lock is released."
+            )
         elif status.connected:
             self.update("")
         elif status.ever_connected:
-            self.update("Lost the eyas daemon: live updates and controls are paused, history stays readable. "
-                        "Reconnecting with backoff (ctrl+r: now).")
+            self.update(
+                "Lost the eyas daemon: live updates and controls are paused, history stays readable. "
+                "Reconnecting with backoff (ctrl+r: now)."
+            )
         else:
-            self.update("The eyas daemon is not running: showing read-only history from SQLite. "
-                        "Start it with `eyas daemon start`; the TUI connects when it is up.")
+            self.update(
+                "The eyas daemon is not running: showing read-only history from SQLite. "
+                "Start it with `eyas daemon start`; the TUI connects when it is up."
+            )

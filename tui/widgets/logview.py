@@ -42,10 +42,10 @@ class LogView(ScrollView, can_focus=True):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.model = None
-        self.pattern: re.Pattern | None = None   # matches to highlight
-        self.placeholder = "opening log…"         # shown while there is no model
+        self.pattern: re.Pattern | None = None  # matches to highlight
+        self.placeholder = "opening log…"  # shown while there is no model
         self.mark: tuple[int, int] | None = None  # (rank, line) to show marked, e.g. the first error
-        self.first_paint: float | None = None     # perf_counter of the first frame with rows
+        self.first_paint: float | None = None  # perf_counter of the first frame with rows
         self.paints = 0
         self._total = 0
         self._max_width = 0
@@ -82,8 +82,9 @@ class LogView(ScrollView, can_focus=True):
     def _to_end(self) -> None:
         if self.follow:
             # force: the scrollbars are laid out later; the target is clamped to the virtual size.
-            self.scroll_to(y=max(0, self._total - self.scrollable_content_region.height), animate=False,
-                           immediate=True, force=True)
+            self.scroll_to(
+                y=max(0, self._total - self.scrollable_content_region.height), animate=False, immediate=True, force=True
+            )
 
     def on_resize(self) -> None:
         self.sync()
@@ -109,7 +110,7 @@ class LogView(ScrollView, can_focus=True):
         super().watch_scroll_y(old, new)
         at_end = round(new) >= self.max_scroll_y
         if at_end and new > old and not self.follow:
-            self.follow = True   # scrolled back down to the end: follow again
+            self.follow = True  # scrolled back down to the end: follow again
         elif not at_end and new < old and self.follow:
             self.follow = False  # scrolled up: pause
 
@@ -141,7 +142,11 @@ class LogView(ScrollView, can_focus=True):
         style = self.rich_style
         if self.model is None or self._total == 0:
             self._rows = []
-            self._frame = [Strip([Segment(self.placeholder, Style(dim=True))]).crop_extend(0, width, style)] if self.placeholder else []
+            self._frame = (
+                [Strip([Segment(self.placeholder, Style(dim=True))]).crop_extend(0, width, style)]
+                if self.placeholder
+                else []
+            )
             return self._frame
         # Following, the frame is anchored at the end whatever the scroll position says: the
         # scrollbars (and so the viewport height) may still change after the last scroll.
@@ -158,8 +163,10 @@ class LogView(ScrollView, can_focus=True):
         for row in rows:
             text = self._text(row)
             if self.wrap:
-                pieces = [Strip(line.render(console), line.cell_len).crop_extend(0, width, style)
-                          for line in text.wrap(console, max(1, width), overflow="fold")] or [Strip.blank(width, style)]
+                pieces = [
+                    Strip(line.render(console), line.cell_len).crop_extend(0, width, style)
+                    for line in text.wrap(console, max(1, width), overflow="fold")
+                ] or [Strip.blank(width, style)]
             else:
                 self._max_width = max(self._max_width, text.cell_len)
                 pieces = [Strip(text.render(console), text.cell_len).crop_extend(sx, sx + width, style)]

@@ -66,15 +66,18 @@ class PathSuggester(Suggester):
         path = Path(os.path.expanduser(value))
         folder, stem = (path, "") if value.endswith("/") else (path.parent, path.name)
         try:
-            names = sorted(e.name + ("/" if e.is_dir() else "") for e in os.scandir(folder)
-                           if e.name.startswith(stem) and not e.name.startswith("."))
+            names = sorted(
+                e.name + ("/" if e.is_dir() else "")
+                for e in os.scandir(folder)
+                if e.name.startswith(stem) and not e.name.startswith(".")
+            )
         except OSError:
             return None
         # Prefer run configs, then folders.
         names.sort(key=lambda n: (not n.endswith(".toml"), not n.endswith("/"), n))
         if not names:
             return None
-        return value + names[0][len(stem):]
+        return value + names[0][len(stem) :]
 
 
 class SubmitScreen(ModalScreen[dict | None]):
@@ -164,8 +167,7 @@ class KeysScreen(ModalScreen[None]):
                     t.add_row(k, d)
                 yield Static(Text(title, style="dim"))
                 yield Static(t)
-            yield Static(Text("arrows, pgup/pgdn, home/end move; enter opens; ctrl+p lists every action",
-                              style="dim"))
+            yield Static(Text("arrows, pgup/pgdn, home/end move; enter opens; ctrl+p lists every action", style="dim"))
 
     def action_close(self) -> None:
         self.dismiss(None)

@@ -46,9 +46,11 @@ def template_of(tokenizer, where: str) -> str:
     try:
         return tokenizer.get_chat_template()
     except ValueError:
-        raise ValueError(f"{where}: the tokenizer has no chat template; add one (chat_template.jinja or "
-                         "tokenizer_config.json's chat_template) or give pre-tokenized rows "
-                         "(input_ids + loss_mask)") from None
+        raise ValueError(
+            f"{where}: the tokenizer has no chat template; add one (chat_template.jinja or "
+            "tokenizer_config.json's chat_template) or give pre-tokenized rows "
+            "(input_ids + loss_mask)"
+        ) from None
 
 
 class MaskedRenderer:
@@ -98,17 +100,21 @@ class MaskedRenderer:
                     raise self._mismatch(j, history, upto, "the turns before it render differently once it follows")
             if full[: len(upto)] != upto:
                 raise self._mismatch(j, upto, full, "it renders differently once later turns follow")
-            mask[start: len(upto)] = [1] * (len(upto) - start)
+            mask[start : len(upto)] = [1] * (len(upto) - start)
         return full, mask
 
     def _mismatch(self, j: int, alone: list[int], followed: list[int], what: str) -> TemplateMismatch:
         k = _common_prefix(alone, followed)
         a, b = (self.tokenizer.convert_ids_to_tokens(x[k]) if k < len(x) else "<end>" for x in (alone, followed))
-        return TemplateMismatch(j, (
-            f"the chat template re-renders the conversation at turn {j} (assistant): {what} "
-            f"(first difference at token {k}: {a!r} vs {b!r}), so the assistant mask cannot be derived "
-            "by rendering prefixes; mark the assistant content with {% generation %}...{% endgeneration %} "
-            "in the template, or give pre-tokenized rows (input_ids + loss_mask)"))
+        return TemplateMismatch(
+            j,
+            (
+                f"the chat template re-renders the conversation at turn {j} (assistant): {what} "
+                f"(first difference at token {k}: {a!r} vs {b!r}), so the assistant mask cannot be derived "
+                "by rendering prefixes; mark the assistant content with {% generation %}...{% endgeneration %} "
+                "in the template, or give pre-tokenized rows (input_ids + loss_mask)"
+            ),
+        )
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

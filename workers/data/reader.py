@@ -29,18 +29,18 @@ from typing import Any, BinaryIO
 
 # Every reason a row can be skipped for, in the order a summary lists them.
 SKIP_REASONS = (
-    "too_long",             # the row's JSON text is over row_byte_limit(data.max_length) bytes
-    "invalid_json",         # the line is not JSON
-    "not_utf8",             # the line (or a string in it) is not UTF-8 text
-    "wrong_type",           # a value of the wrong JSON type (a turn that is a number, content 42...)
-    "missing_field",        # no conversations / messages / input_ids + loss_mask
-    "empty_conversation",   # an empty list of turns
-    "missing_role",         # a turn without "from"/"role"
-    "unknown_role",         # a role that is not system, user or assistant (or a ShareGPT alias)
-    "empty_content",        # a turn whose content is absent, null or blank; an empty token list
-    "length_mismatch",      # tokenized: input_ids and loss_mask differ in length
-    "token_out_of_range",   # tokenized: an id outside the target's vocabulary
-    "template_error",       # the chat template raised on this conversation
+    "too_long",  # the row's JSON text is over row_byte_limit(data.max_length) bytes
+    "invalid_json",  # the line is not JSON
+    "not_utf8",  # the line (or a string in it) is not UTF-8 text
+    "wrong_type",  # a value of the wrong JSON type (a turn that is a number, content 42...)
+    "missing_field",  # no conversations / messages / input_ids + loss_mask
+    "empty_conversation",  # an empty list of turns
+    "missing_role",  # a turn without "from"/"role"
+    "unknown_role",  # a role that is not system, user or assistant (or a ShareGPT alias)
+    "empty_content",  # a turn whose content is absent, null or blank; an empty token list
+    "length_mismatch",  # tokenized: input_ids and loss_mask differ in length
+    "token_out_of_range",  # tokenized: an id outside the target's vocabulary
+    "template_error",  # the chat template raised on this conversation
     "no_trainable_tokens",  # nothing left to learn from after masking and truncation
 )
 
@@ -70,6 +70,8 @@ SKIP_CHUNK = 1 << 20
 def row_byte_limit(max_length: int) -> int:
     """The most bytes of JSON text a row may have for data.max_length = `max_length`."""
     return max(ROW_BYTES_MIN, max_length * ROW_BYTES_PER_TOKEN)
+
+
 _CHAT_KEYS = {"sharegpt": ("conversations", "from", "value"), "openai": ("messages", "role", "content")}
 
 
@@ -89,14 +91,14 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class RawRow:
-    where: str                  # "chat.jsonl:17" (line) or "chat.json[16]" (array index)
-    value: Any = None           # the parsed JSON value
+    where: str  # "chat.jsonl:17" (line) or "chat.json[16]" (array index)
+    value: Any = None  # the parsed JSON value
     error: RowError | None = None
 
 
 @dataclass(frozen=True)
 class Chat:
-    messages: list[dict[str, str]]      # [{"role": "system"|"user"|"assistant", "content": str}]
+    messages: list[dict[str, str]]  # [{"role": "system"|"user"|"assistant", "content": str}]
 
 
 @dataclass(frozen=True)
@@ -112,8 +114,13 @@ def data_files(path: str | os.PathLike) -> list[Path]:
         return [path]
     if not path.is_dir():
         raise DataError(f"data.path: {path} does not exist; point it at a .jsonl/.json file or a directory of them")
-    files = sorted(p for p in path.rglob("*") if p.suffix in (".json", ".jsonl") and p.is_file()
-                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    files = sorted(
+        p
+        for p in path.rglob("*")
+        if p.suffix in (".json", ".jsonl")
+        and p.is_file()
+        and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
     if not files:
         raise DataError(f"data.path: {path} holds no .json or .jsonl file; put the dataset there or point at a file")
     return files
@@ -132,20 +139,26 @@ def _is_array(data: bytes) -> bool:
 def _parse_array(path: Path) -> list:
     size = path.stat().st_size
     if size > ARRAY_MAX_BYTES:
-        raise DataError(f"{path}: a JSON array of {size / 1e6:.0f} MB is too big to parse in memory (the limit is "
-                        f"{ARRAY_MAX_BYTES / 1e6:.0f} MB); write one JSON object per line (JSONL), which is read a "
-                        f"line at a time, e.g. jq -c '.[]' {path} > {path.with_suffix('.jsonl')}")
+        raise DataError(
+            f"{path}: a JSON array of {size / 1e6:.0f} MB is too big to parse in memory (the limit is "
+            f"{ARRAY_MAX_BYTES / 1e6:.0f} MB); write one JSON object per line (JSONL), which is read a "
+            f"line at a time, e.g. jq -c '.[]' {path} > {path.with_suffix('.jsonl')}"
+        )
     data = _strip_bom(path.read_bytes())
     # surrogateescape keeps a stray non-UTF-8 byte inside the row it belongs to (as a lone
     # surrogate, found when the row is normalized) instead of failing the whole file.
     try:
         value = json.loads(data.decode("utf-8", "surrogateescape"))
     except json.JSONDecodeError as exc:
-        raise DataError(f"{path}: line {exc.lineno}, column {exc.colno}: not valid JSON ({exc.msg}); fix it, "
-                        "or write one JSON object per line (JSONL) so that bad rows are skipped") from None
+        raise DataError(
+            f"{path}: line {exc.lineno}, column {exc.colno}: not valid JSON ({exc.msg}); fix it, "
+            "or write one JSON object per line (JSONL) so that bad rows are skipped"
+        ) from None
     except RecursionError:
-        raise DataError(f"{path}: nested too deeply to parse as JSON; write one JSON object per line (JSONL) "
-                        "so that bad rows are skipped") from None
+        raise DataError(
+            f"{path}: nested too deeply to parse as JSON; write one JSON object per line (JSONL) "
+            "so that bad rows are skipped"
+        ) from None
     return value if isinstance(value, list) else [value]
 
 
@@ -238,14 +251,24 @@ def read_rows(files: list[Path], limit: int = ROW_BYTES_MIN) -> Iterator[RawRow]
 
 
 def _too_long(size: int, limit: int) -> RowError:
-    return RowError("too_long", f"{size} bytes of JSON, over the {limit}-byte limit for data.max_length "
-                                f"(max_length × {ROW_BYTES_PER_TOKEN}, at least {ROW_BYTES_MIN}); split the row or "
-                                f"raise data.max_length")
+    return RowError(
+        "too_long",
+        f"{size} bytes of JSON, over the {limit}-byte limit for data.max_length "
+        f"(max_length × {ROW_BYTES_PER_TOKEN}, at least {ROW_BYTES_MIN}); split the row or "
+        f"raise data.max_length",
+    )
 
 
 def _type(value: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
-            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+    return {
+        dict: "an object",
+        list: "an array",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 def _check_utf8(text: str, what: str) -> None:
@@ -297,8 +320,10 @@ def _turns(turns: Any, key: str, role_key: str, content_key: str) -> list[dict[s
         _check_utf8(role, f"turn {i}'s role")
         canonical = ROLES.get(role.strip().lower())
         if canonical is None:
-            raise RowError("unknown_role", f"turn {i}: role {role!r} is not one of system, user, assistant "
-                                           "(or ShareGPT's human, gpt)")
+            raise RowError(
+                "unknown_role",
+                f"turn {i}: role {role!r} is not one of system, user, assistant (or ShareGPT's human, gpt)",
+            )
         content = _text(turn.get(content_key, turn.get(alt_content)), i, content_key)
         _check_utf8(content, f"turn {i}'s content")
         if not content.strip():
@@ -322,8 +347,11 @@ def _text(content: Any, i: int, key: str) -> str:
                 parts.append(part["text"])
             else:
                 # Images and other media need a processor, which prepare does not run.
-                raise RowError("wrong_type", f"turn {i}: only text parts are supported in '{key}', got "
-                                             f"{part.get('type') if isinstance(part, dict) else _type(part)!r}")
+                raise RowError(
+                    "wrong_type",
+                    f"turn {i}: only text parts are supported in '{key}', got "
+                    f"{part.get('type') if isinstance(part, dict) else _type(part)!r}",
+                )
         return "".join(parts)
     raise RowError("wrong_type", f"turn {i}: '{key}' must be a string, got {_type(content)}")
 
@@ -341,8 +369,9 @@ def _int_list(value: Any, key: str, bools: bool) -> list[int]:
 def _tokens(value: dict, vocab_size: int) -> Tokens:
     for key in ("input_ids", "loss_mask"):
         if key not in value:
-            raise RowError("missing_field", f"a pre-tokenized row needs 'input_ids' and 'loss_mask'; "
-                                            f"'{key}' is missing")
+            raise RowError(
+                "missing_field", f"a pre-tokenized row needs 'input_ids' and 'loss_mask'; '{key}' is missing"
+            )
     ids = _int_list(value["input_ids"], "input_ids", bools=False)
     mask = _int_list(value["loss_mask"], "loss_mask", bools=True)
     if len(ids) != len(mask):

@@ -19,6 +19,8 @@ def target_vocab_size(target_path: str | os.PathLike) -> int:
     # speculators prefers text_config when there is one (AutoConfig(...).text_config).
     size = text.get("vocab_size") if isinstance(text, dict) and "vocab_size" in text else cfg.get("vocab_size")
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"{os.path.join(target_path, 'config.json')} has no vocab_size (nor text_config.vocab_size); "
-                         "point target.path at a complete model directory")
+        raise ValueError(
+            f"{os.path.join(target_path, 'config.json')} has no vocab_size (nor text_config.vocab_size); "
+            "point target.path at a complete model directory"
+        )
     return size

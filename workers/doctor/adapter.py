@@ -65,17 +65,21 @@ def hf_class(facts: TargetFacts, trust_remote_code: bool) -> tuple[type | None, 
     if isinstance(cls, type):
         return cls, ""
     if not trust_remote_code:
-        return None, (f"transformers {transformers.__version__} has no {arch}, and the checkpoint's own code "
-                      "runs only with target.trust_remote_code = true")
+        return None, (
+            f"transformers {transformers.__version__} has no {arch}, and the checkpoint's own code "
+            "runs only with target.trust_remote_code = true"
+        )
     auto = facts.config.get("auto_map") if isinstance(facts.config.get("auto_map"), dict) else {}
-    ref = next((auto[k] for k in ("AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModel") if k in auto),
-               None)
+    ref = next(
+        (auto[k] for k in ("AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModel") if k in auto), None
+    )
     if not isinstance(ref, str):
         return None, f"transformers has no {arch} and config.json's auto_map names no model class"
     module_file = Path(facts.path) / (ref.split("--")[-1].rsplit(".", 1)[0] + ".py")
     if not module_file.exists():
-        return None, (f"transformers has no {arch}, and the custom code it names ({module_file.name}) is not in "
-                      f"{facts.path}")
+        return None, (
+            f"transformers has no {arch}, and the custom code it names ({module_file.name}) is not in {facts.path}"
+        )
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
     try:
@@ -89,29 +93,56 @@ def check(facts: TargetFacts, backend: str, trust_remote_code: bool) -> list[Che
     try:
         adapter = adapters.adapter_for(arch or "")
     except adapters.UnknownArchitecture:
-        return [failed(GROUP, "architecture", f"no eyas adapter for {arch}",
-                       f"add an adapter for {arch} in eyas/workers/models/adapters.py (known: "
-                       f"{', '.join(adapters.known_architectures())})")]
+        return [
+            failed(
+                GROUP,
+                "architecture",
+                f"no eyas adapter for {arch}",
+                f"add an adapter for {arch} in eyas/workers/models/adapters.py (known: "
+                f"{', '.join(adapters.known_architectures())})",
+            )
+        ]
     if backend == "vllm":
         try:
             top = vllm_class(arch)
         except Exception as exc:  # noqa: BLE001 - a model module that fails to import is the finding
-            return [failed(GROUP, "architecture", f"vLLM's class for {arch} does not import "
-                           f"({type(exc).__name__}: {exc})", "fix the vLLM install (see versions above), "
-                           'or use extract.backend = "hf"')]
+            return [
+                failed(
+                    GROUP,
+                    "architecture",
+                    f"vLLM's class for {arch} does not import ({type(exc).__name__}: {exc})",
+                    'fix the vLLM install (see versions above), or use extract.backend = "hf"',
+                )
+            ]
         if top is None:
-            return [failed(GROUP, "architecture", f"vLLM's model registry has no {arch}",
-                           'use extract.backend = "hf", or a vLLM release that supports it')]
+            return [
+                failed(
+                    GROUP,
+                    "architecture",
+                    f"vLLM's model registry has no {arch}",
+                    'use extract.backend = "hf", or a vLLM release that supports it',
+                )
+            ]
         reader, paths = _vllm_reader(), adapter.decoder_paths + adapter.vllm_paths
     else:
         top, why = hf_class(facts, trust_remote_code)
         if top is None:
-            fix = ("set target.trust_remote_code = true" if not trust_remote_code else
-                   "put the checkpoint's modelling code beside config.json") + ', or use extract.backend = "vllm"'
+            fix = (
+                "set target.trust_remote_code = true"
+                if not trust_remote_code
+                else "put the checkpoint's modelling code beside config.json"
+            ) + ', or use extract.backend = "vllm"'
             return [failed(GROUP, "architecture", why, fix)]
         reader, paths = _hf_reader(), adapter.decoder_paths
-    out = [passed(GROUP, "architecture", f"{arch} -> adapter '{adapter.family}'; {backend} class "
-                  f"{top.__module__}.{top.__qualname__}", family=adapter.family, model_class=top.__name__)]
+    out = [
+        passed(
+            GROUP,
+            "architecture",
+            f"{arch} -> adapter '{adapter.family}'; {backend} class {top.__module__}.{top.__qualname__}",
+            family=adapter.family,
+            model_class=top.__name__,
+        )
+    ]
     decoder, layer, check_ = _decoder(reader, top, paths, adapter)
     out.append(check_)
     if decoder is None:
@@ -140,22 +171,51 @@ def _decoder(reader: classwalk.ClassReader, top: type, paths: tuple[str, ...], a
         layer = reader.element(cls, adapter.layers_attr)
         norm = reader.attr(cls, adapter.norm_attr)
         where = f"{top.__name__}.{path}" if path else top.__name__
-        detail = (f"{where} -> {cls.__name__}: {adapter.layers_attr} of "
-                  f"{layer.cls.__name__ if layer.ok else '?'}, {adapter.norm_attr} "
-                  f"{norm.cls.__name__ if norm.ok else '?'}")
-        return cls, layer.cls if layer.ok else None, passed(
-            GROUP, "decoder", detail, path=path, decoder_class=cls.__name__,
-            layer_class=layer.cls.__name__ if layer.ok else None)
+        detail = (
+            f"{where} -> {cls.__name__}: {adapter.layers_attr} of "
+            f"{layer.cls.__name__ if layer.ok else '?'}, {adapter.norm_attr} "
+            f"{norm.cls.__name__ if norm.ok else '?'}"
+        )
+        return (
+            cls,
+            layer.cls if layer.ok else None,
+            passed(
+                GROUP,
+                "decoder",
+                detail,
+                path=path,
+                decoder_class=cls.__name__,
+                layer_class=layer.cls.__name__ if layer.ok else None,
+            ),
+        )
     tried = ", ".join(p or "<top>" for p in paths)
     if unknown:
-        return None, None, warned(GROUP, "decoder", f"cannot tell from {top.__name__}'s source where its decoder "
-                                  f"is ({'; '.join(reasons)})", "nothing to do unless extract then fails to find "
-                                  f"it; if so, add the path to the '{adapter.family}' adapter in "
-                                  "eyas/workers/models/adapters.py", tried=list(paths))
-    return None, None, failed(GROUP, "decoder", f"{top.__name__} has no decoder at {tried} ({'; '.join(reasons)})",
-                              f"add the path to {top.__name__}'s decoder (the module holding "
-                              f"{adapter.layers_attr} and {adapter.norm_attr}) to the '{adapter.family}' adapter's "
-                              "decoder_paths in eyas/workers/models/adapters.py", tried=list(paths))
+        return (
+            None,
+            None,
+            warned(
+                GROUP,
+                "decoder",
+                f"cannot tell from {top.__name__}'s source where its decoder is ({'; '.join(reasons)})",
+                "nothing to do unless extract then fails to find "
+                f"it; if so, add the path to the '{adapter.family}' adapter in "
+                "eyas/workers/models/adapters.py",
+                tried=list(paths),
+            ),
+        )
+    return (
+        None,
+        None,
+        failed(
+            GROUP,
+            "decoder",
+            f"{top.__name__} has no decoder at {tried} ({'; '.join(reasons)})",
+            f"add the path to {top.__name__}'s decoder (the module holding "
+            f"{adapter.layers_attr} and {adapter.norm_attr}) to the '{adapter.family}' adapter's "
+            "decoder_paths in eyas/workers/models/adapters.py",
+            tried=list(paths),
+        ),
+    )
 
 
 def embedding(decoder: type, backend: str) -> Check:
@@ -166,15 +226,18 @@ def embedding(decoder: type, backend: str) -> Check:
     names = [expected, *sorted(known - {expected})]
     has = [n for n in names if callable(getattr(decoder, n, None))]
     lacks = [n for n in names if n not in has]
-    found = f"{decoder.__name__} has {', '.join(has) or 'none of ' + ', '.join(names)}" + \
-        (f", no {', '.join(lacks)}" if has and lacks else "")
+    found = f"{decoder.__name__} has {', '.join(has) or 'none of ' + ', '.join(names)}" + (
+        f", no {', '.join(lacks)}" if has and lacks else ""
+    )
     problem = adapters.api_problem(decoder, "embed", backend)
     data = {"decoder_class": decoder.__name__, "expects": expected, "has": has}
     if problem is None:
         return passed(GROUP, "embedding", f"{found}: the {backend} adapter calls {expected}()", **data)
     if has:
-        fix = (f"make the {backend} adapter call {has[0]}(): set API['{backend}']['embed'] = '{has[0]}' in "
-               "eyas/workers/models/adapters.py")
+        fix = (
+            f"make the {backend} adapter call {has[0]}(): set API['{backend}']['embed'] = '{has[0]}' in "
+            "eyas/workers/models/adapters.py"
+        )
     else:
         fix = f"add {decoder.__name__}'s embedding method to API['{backend}'] in eyas/workers/models/adapters.py"
     return failed(GROUP, "embedding", f"{found}: the {backend} adapter calls {expected}()", fix, **data)
@@ -191,9 +254,17 @@ def layer_forward(layer: type, backend: str) -> Check:
     problem = adapters.layer_problem(layer, backend)
     data = {"layer_class": layer.__name__, "signature": sig, "needs": list(params)}
     if problem is None:
-        return passed(GROUP, "layer forward", f"{layer.__name__}.forward{sig}: the {backend} tap reads "
-                      f"{' + '.join(params)}", **data)
-    return failed(GROUP, "layer forward", problem.split("; this layer class")[0],
-                  f"add {layer.__name__}'s family to eyas/workers/models/adapters.py: the {backend} tap needs "
-                  f"{' and '.join(params)} in the decoder layer's forward", **data)
-
+        return passed(
+            GROUP,
+            "layer forward",
+            f"{layer.__name__}.forward{sig}: the {backend} tap reads {' + '.join(params)}",
+            **data,
+        )
+    return failed(
+        GROUP,
+        "layer forward",
+        problem.split("; this layer class")[0],
+        f"add {layer.__name__}'s family to eyas/workers/models/adapters.py: the {backend} tap needs "
+        f"{' and '.join(params)} in the decoder layer's forward",
+        **data,
+    )

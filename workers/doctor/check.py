@@ -16,12 +16,12 @@ VERDICTS = (PASS, WARN, FAIL)
 
 @dataclass(frozen=True)
 class Check:
-    group: str          # versions, target, layer ids, adapter, tokenizer, resources, config
-    name: str           # what was checked, e.g. "transformers", "embedding", "disk"
-    verdict: str        # pass | warn | fail
-    detail: str         # one line: what was found
-    fix: str = ""       # one line: what to do (required for warn and fail)
-    data: dict[str, Any] = field(default_factory=dict)     # figures for --json and the tests
+    group: str  # versions, target, layer ids, adapter, tokenizer, resources, config
+    name: str  # what was checked, e.g. "transformers", "embedding", "disk"
+    verdict: str  # pass | warn | fail
+    detail: str  # one line: what was found
+    fix: str = ""  # one line: what to do (required for warn and fail)
+    data: dict[str, Any] = field(default_factory=dict)  # figures for --json and the tests
 
     def __post_init__(self):
         if self.verdict not in VERDICTS:

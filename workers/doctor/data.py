@@ -23,20 +23,20 @@ from eyas.workers.data import reader
 from eyas.workers.doctor.check import Check, failed, human_bytes, passed, warned
 
 GROUP = "data"
-HEAD_BYTES = 4 << 20        # read from each file's start for the encoding and binary checks
-SAMPLE_ROWS = 32            # rows of each file parsed and normalized as data.format
-SCAN_BYTES = 1 << 30        # bytes of JSONL scanned for over-long lines, over all files
-MAX_FILES = 64              # files of a directory examined (the rest: counted and sized only)
+HEAD_BYTES = 4 << 20  # read from each file's start for the encoding and binary checks
+SAMPLE_ROWS = 32  # rows of each file parsed and normalized as data.format
+SCAN_BYTES = 1 << 30  # bytes of JSONL scanned for over-long lines, over all files
+MAX_FILES = 64  # files of a directory examined (the rest: counted and sized only)
 
 
 @dataclass
 class _File:
     path: Path
     size: int
-    refused: tuple[str, str] | None = None                  # (what, fix): why prepare would take no row from it
-    problems: list[tuple[str, str]] = field(default_factory=list)   # (what, fix): rows it would skip
-    rows: int = 0                                           # rows sampled
-    good: int = 0                                           # of which usable as data.format
+    refused: tuple[str, str] | None = None  # (what, fix): why prepare would take no row from it
+    problems: list[tuple[str, str]] = field(default_factory=list)  # (what, fix): rows it would skip
+    rows: int = 0  # rows sampled
+    good: int = 0  # of which usable as data.format
 
 
 def check(data: DataConfig) -> list[Check]:
@@ -44,8 +44,14 @@ def check(data: DataConfig) -> list[Check]:
     try:
         files = reader.data_files(data.path)
     except reader.DataError as exc:
-        return [failed(GROUP, "path", str(exc).partition("; ")[0], str(exc).partition("; ")[2] or
-                       "point data.path at a .jsonl/.json file or a directory of them")]
+        return [
+            failed(
+                GROUP,
+                "path",
+                str(exc).partition("; ")[0],
+                str(exc).partition("; ")[2] or "point data.path at a .jsonl/.json file or a directory of them",
+            )
+        ]
     limit = reader.row_byte_limit(data.max_length)
     budget = [SCAN_BYTES]
     found = [_inspect(f, data.format, limit, budget) for f in files[:MAX_FILES]]
@@ -64,8 +70,16 @@ def check(data: DataConfig) -> list[Check]:
     if not checks:
         sampled = sum(f.rows for f in found)
         scanned = f" (lines scanned in the first {human_bytes(SCAN_BYTES)})" if budget[0] == 0 else ""
-        checks.append(passed(GROUP, "rows", f"{where}: {sampled} sampled rows parse as data.format "
-                             f"\"{data.format}\"; no row over {limit} bytes{scanned}", files=len(files), bytes=size))
+        checks.append(
+            passed(
+                GROUP,
+                "rows",
+                f"{where}: {sampled} sampled rows parse as data.format "
+                f'"{data.format}"; no row over {limit} bytes{scanned}',
+                files=len(files),
+                bytes=size,
+            )
+        )
     return checks
 
 
@@ -77,21 +91,32 @@ def _inspect(path: Path, fmt: str, limit: int, budget: list[int]) -> _File:
     with open(path, "rb") as fh:
         head = fh.read(HEAD_BYTES)
     if b"\0" in head:
-        f.refused = ("NUL bytes in its first MBs: a binary file, not JSON/JSONL text",
-                     "point data.path at the JSONL/JSON text (decompress or export it first)")
+        f.refused = (
+            "NUL bytes in its first MBs: a binary file, not JSON/JSONL text",
+            "point data.path at the JSONL/JSON text (decompress or export it first)",
+        )
         return f
     bad = _not_utf8(head, at_end=len(head) == f.size)
     if bad:
-        f.problems.append((bad, f"convert it to UTF-8, e.g. iconv -f latin1 -t utf-8 {path} > {path}.utf8 "
-                                "(rows with such bytes are skipped as not_utf8)"))
+        f.problems.append(
+            (
+                bad,
+                f"convert it to UTF-8, e.g. iconv -f latin1 -t utf-8 {path} > {path}.utf8 "
+                "(rows with such bytes are skipped as not_utf8)",
+            )
+        )
     # An array too big to parse is refused by read_rows below, before it reads a byte of it.
     if not reader.is_array_head(head):
         long_lines, longest, lines, whole = _scan(path, limit, budget)
         if long_lines:
-            what = (f"{long_lines} line{'s' if long_lines != 1 else ''} over the {limit}-byte row limit"
-                    f"{'' if whole else ' in its part scanned'} (the longest {human_bytes(longest)})")
-            fix = (f"split or drop those rows, or raise data.max_length (the limit is max_length × "
-                   f"{reader.ROW_BYTES_PER_TOKEN} bytes, at least {human_bytes(reader.ROW_BYTES_MIN)})")
+            what = (
+                f"{long_lines} line{'s' if long_lines != 1 else ''} over the {limit}-byte row limit"
+                f"{'' if whole else ' in its part scanned'} (the longest {human_bytes(longest)})"
+            )
+            fix = (
+                f"split or drop those rows, or raise data.max_length (the limit is max_length × "
+                f"{reader.ROW_BYTES_PER_TOKEN} bytes, at least {human_bytes(reader.ROW_BYTES_MIN)})"
+            )
             if long_lines == lines and whole:
                 f.refused = (f"{what}, and no other row: prepare would skip every row as too_long", fix)
                 return f
@@ -107,9 +132,9 @@ def _inspect(path: Path, fmt: str, limit: int, budget: list[int]) -> _File:
         try:
             if raw.error is not None:
                 raise raw.error
-            reader.normalize(raw.value, fmt, sys.maxsize)   # ids are checked against the vocabulary by prepare
+            reader.normalize(raw.value, fmt, sys.maxsize)  # ids are checked against the vocabulary by prepare
         except reader.RowError as err:
-            if err.reason != "too_long":                    # reported by the scan above
+            if err.reason != "too_long":  # reported by the scan above
                 reasons[err.reason] += 1
             continue
         f.good += 1
@@ -118,10 +143,15 @@ def _inspect(path: Path, fmt: str, limit: int, budget: list[int]) -> _File:
         counts = ", ".join(f"{r} {n}" for r, n in reasons.items())
         fix = "fix those rows or data.format (auto, sharegpt, openai, tokenized); prepare skips and counts them"
         if f.good == 0:
-            f.refused = (f"none of its first {len(rows)} rows parses as data.format \"{fmt}\" ({counts})", fix)
+            f.refused = (f'none of its first {len(rows)} rows parses as data.format "{fmt}" ({counts})', fix)
         else:
-            f.problems.append((f"{sum(reasons.values())} of its first {len(rows)} rows do not parse as "
-                               f"data.format \"{fmt}\" ({counts})", fix))
+            f.problems.append(
+                (
+                    f"{sum(reasons.values())} of its first {len(rows)} rows do not parse as "
+                    f'data.format "{fmt}" ({counts})',
+                    fix,
+                )
+            )
     return f
 
 
@@ -130,8 +160,7 @@ def _not_utf8(head: bytes, at_end: bool) -> str:
     try:
         codecs.getincrementaldecoder("utf-8")().decode(head, final=at_end)
     except UnicodeDecodeError as exc:
-        return (f"byte 0x{head[exc.start]:02x} at offset {exc.start} is not UTF-8 "
-                "(Latin-1 or another legacy encoding?)")
+        return f"byte 0x{head[exc.start]:02x} at offset {exc.start} is not UTF-8 (Latin-1 or another legacy encoding?)"
     return ""
 
 

@@ -57,7 +57,7 @@ def load_config(path: str) -> tuple[config.RunConfig | None, list[Check], list |
         where, _, rest = line.partition(": ")
         key, _, text = rest.partition(": ")
         problem, _, fix = text.partition("; ")
-        if not text:        # a file-level error (unreadable, TOML syntax): "<file>: <problem>; <fix>"
+        if not text:  # a file-level error (unreadable, TOML syntax): "<file>: <problem>; <fix>"
             problem, _, fix = rest.partition("; ")
             key = "file"
         checks.append(failed(CONFIG_GROUP, key, problem, fix or f"fix {key} in {where}"))
@@ -76,8 +76,9 @@ def default_output_dir() -> str:
     return str(runs_dir())
 
 
-def run_checks(cfg: config.RunConfig, output_dir: str, layer_ids: list | tuple | None = None,
-               defaulted: bool = False) -> list[Check]:
+def run_checks(
+    cfg: config.RunConfig, output_dir: str, layer_ids: list | tuple | None = None, defaulted: bool = False
+) -> list[Check]:
     """Every check of a loaded config, in order. `layer_ids`: the ids as the user wrote them,
     when they differ from cfg's (see load_config)."""
     from eyas.workers.doctor import resources, target, versions
@@ -103,8 +104,10 @@ def run_checks(cfg: config.RunConfig, output_dir: str, layer_ids: list | tuple |
     gpus = resources.probe_gpus() if cfg.resources.devices != "cpu" else resources.Gpus(False, [])
     gpu_check, usable = resources.gpus(cfg, gpus)
     checks.append(gpu_check)
-    for extra in (resources.memory(cfg, facts.weight_bytes, usable),
-                  resources.disk(cfg, output_dir, len(ids or ()), facts.hidden_size)):
+    for extra in (
+        resources.memory(cfg, facts.weight_bytes, usable),
+        resources.disk(cfg, output_dir, len(ids or ()), facts.hidden_size),
+    ):
         if extra is not None:
             checks.append(extra)
     checks.append(resources.writable(output_dir))
@@ -130,8 +133,10 @@ def diagnose(path: str, output_dir: str | None = None) -> list[Check]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="eyas doctor", description="Check a run config, its target and this "
-                                     "machine before the run starts, without loading weights.")
+    parser = argparse.ArgumentParser(
+        prog="eyas doctor",
+        description="Check a run config, its target and this machine before the run starts, without loading weights.",
+    )
     parser.add_argument("config", help="the run's TOML file")
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
     args = parser.parse_args(argv)
@@ -139,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet()
     checks = diagnose(args.config)
     if args.json:
-        print(check.dumps(checks, config=os.path.abspath(args.config),
-                                 seconds=round(time.monotonic() - t0, 3)))
+        print(check.dumps(checks, config=os.path.abspath(args.config), seconds=round(time.monotonic() - t0, 3)))
     else:
         print(f"eyas doctor {args.config}")
         for line in check.table(checks):

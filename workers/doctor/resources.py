@@ -39,8 +39,8 @@ SAMPLE_BYTES = 32 * 2**20
 @dataclass(frozen=True)
 class Gpus:
     available: bool
-    devices: list[dict[str, Any]]       # nvml.GpuProbe.devices() rows: index, name, mem_used, mem_total
-    why: str = ""                       # why none (no driver, no pynvml)
+    devices: list[dict[str, Any]]  # nvml.GpuProbe.devices() rows: index, name, mem_used, mem_total
+    why: str = ""  # why none (no driver, no pynvml)
 
 
 def probe_gpus() -> Gpus:
@@ -54,7 +54,7 @@ def probe_gpus() -> Gpus:
 
     log = logging.getLogger("eyas.doctor.nvml")
     log.propagate = False
-    log.setLevel(logging.INFO)      # GpuProbe says why there is no NVML at INFO
+    log.setLevel(logging.INFO)  # GpuProbe says why there is no NVML at INFO
     log.handlers[:] = [_Keep()]
     probe = GpuProbe(log=log)
     try:
@@ -80,8 +80,11 @@ def gpu_need(cfg: RunConfig) -> tuple[int, str]:
             continue
         if world * tp > best:
             best = world * tp
-            why = (f"extract.tensor_parallel_size {tp}" + (f" × {world} ranks" if world > 1 else "")) if tp > 1 \
+            why = (
+                (f"extract.tensor_parallel_size {tp}" + (f" × {world} ranks" if world > 1 else ""))
+                if tp > 1
                 else f"{stage} with {world} rank{'s' if world != 1 else ''}"
+            )
     return best, why
 
 
@@ -94,19 +97,29 @@ def gpus(cfg: RunConfig, found: Gpus) -> tuple[Check, list[dict[str, Any]]]:
     if not found.available or not found.devices:
         reason = found.why or "NVML reports no device"
         if isinstance(wanted, tuple):
-            return failed(GROUP, "gpus", f"resources.devices lists GPUs {', '.join(map(str, wanted))}, but no GPU "
-                          f"is visible ({reason})", 'set resources.devices = "cpu", or run on the GPU host',
-                          mode="none", need=need), []
+            return failed(
+                GROUP,
+                "gpus",
+                f"resources.devices lists GPUs {', '.join(map(str, wanted))}, but no GPU is visible ({reason})",
+                'set resources.devices = "cpu", or run on the GPU host',
+                mode="none",
+                need=need,
+            ), []
         return passed(GROUP, "gpus", f"no GPU visible ({reason}): CPU mode", mode="cpu", need=need), []
     by_index = {d["index"]: d for d in found.devices}
     listing = ", ".join(f"{d['index']}: {d['name']}" for d in found.devices)
     if isinstance(wanted, tuple):
         absent = [i for i in wanted if i not in by_index]
         if absent:
-            return failed(GROUP, "gpus", f"resources.devices lists GPU {absent[0]}, which is not visible "
-                          f"({len(found.devices)} visible: {listing})",
-                          f"list only visible GPUs in resources.devices (0 to {len(found.devices) - 1})",
-                          mode="gpu", need=need), []
+            return failed(
+                GROUP,
+                "gpus",
+                f"resources.devices lists GPU {absent[0]}, which is not visible "
+                f"({len(found.devices)} visible: {listing})",
+                f"list only visible GPUs in resources.devices (0 to {len(found.devices) - 1})",
+                mode="gpu",
+                need=need,
+            ), []
         usable = [by_index[i] for i in wanted]
     else:
         usable = list(found.devices)
@@ -114,25 +127,32 @@ def gpus(cfg: RunConfig, found: Gpus) -> tuple[Check, list[dict[str, Any]]]:
     if need > len(usable):
         tp = cfg.extract.tensor_parallel_size
         if why.startswith("extract.tensor_parallel_size") and tp > len(usable):
-            fix = (f"lower extract.tensor_parallel_size to {len(usable)} or less, or run where {need} GPUs "
-                   "are visible")
+            fix = f"lower extract.tensor_parallel_size to {len(usable)} or less, or run where {need} GPUs are visible"
         else:
             fix = f"lower resources.ranks to {len(usable)} or less, or run where {need} GPUs are visible"
-        return failed(GROUP, "gpus", f"{why} needs {need} GPUs, {len(usable)} usable ({listing})", fix,
-                      **data), usable
-    return passed(GROUP, "gpus", f"{len(usable)} usable ({listing}); the run needs {need or 1} at once "
-                  f"({why or 'one rank'})", **data), usable
+        return failed(GROUP, "gpus", f"{why} needs {need} GPUs, {len(usable)} usable ({listing})", fix, **data), usable
+    return passed(
+        GROUP,
+        "gpus",
+        f"{len(usable)} usable ({listing}); the run needs {need or 1} at once ({why or 'one rank'})",
+        **data,
+    ), usable
 
 
-def memory(cfg: RunConfig, weight_bytes: int | None, usable: list[dict[str, Any]],
-           ram_available: int | None = None) -> Check | None:
+def memory(
+    cfg: RunConfig, weight_bytes: int | None, usable: list[dict[str, Any]], ram_available: int | None = None
+) -> Check | None:
     """Weights per GPU (÷ TP on vLLM) plus the KV margin, against the freest usable GPUs;
     in CPU mode, the whole model against available RAM. None when no stage loads the target."""
     if not _uses_target(cfg):
         return None
     if weight_bytes is None:
-        return warned(GROUP, "memory", "the weights' size is unknown (no safetensors index)",
-                      "point target.path at a safetensors checkpoint so its memory need can be checked")
+        return warned(
+            GROUP,
+            "memory",
+            "the weights' size is unknown (no safetensors index)",
+            "point target.path at a safetensors checkpoint so its memory need can be checked",
+        )
     tp = cfg.extract.tensor_parallel_size if cfg.extract.backend == "vllm" else 1
     if not usable:
         if ram_available is None:
@@ -144,8 +164,10 @@ def memory(cfg: RunConfig, weight_bytes: int | None, usable: list[dict[str, Any]
             margin += int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
         need = weight_bytes + margin
         data = {"mode": "cpu", "need": need, "weights": weight_bytes, "margin": margin, "free": ram_available}
-        detail = (f"CPU mode: needs {human_bytes(need)} of RAM (weights {human_bytes(weight_bytes)} + "
-                  f"{human_bytes(margin)} margin), {human_bytes(ram_available)} available")
+        detail = (
+            f"CPU mode: needs {human_bytes(need)} of RAM (weights {human_bytes(weight_bytes)} + "
+            f"{human_bytes(margin)} margin), {human_bytes(ram_available)} available"
+        )
         if need > ram_available:
             return failed(GROUP, "memory", detail, "free RAM, or run on a GPU host", **data)
         return passed(GROUP, "memory", detail, **data)
@@ -157,14 +179,27 @@ def memory(cfg: RunConfig, weight_bytes: int | None, usable: list[dict[str, Any]
     worst = min(chosen, key=lambda d: d["mem_total"] - d["mem_used"])
     free = worst["mem_total"] - worst["mem_used"]
     split = f"weights {human_bytes(weight_bytes)} ÷ TP {tp}" if tp > 1 else f"weights {human_bytes(weight_bytes)}"
-    detail = (f"needs {human_bytes(need)} per GPU ({split} + {human_bytes(margin)} KV margin); "
-              f"GPU {worst['index']} has {human_bytes(free)} free")
-    data = {"mode": "gpu", "need": need, "per_gpu_weights": per_gpu, "margin": margin, "free": free,
-            "gpu": worst["index"], "tp": tp}
+    detail = (
+        f"needs {human_bytes(need)} per GPU ({split} + {human_bytes(margin)} KV margin); "
+        f"GPU {worst['index']} has {human_bytes(free)} free"
+    )
+    data = {
+        "mode": "gpu",
+        "need": need,
+        "per_gpu_weights": per_gpu,
+        "margin": margin,
+        "free": free,
+        "gpu": worst["index"],
+        "tp": tp,
+    }
     if need <= free:
         return passed(GROUP, "memory", detail, **data)
-    fits = [t for t in (2, 4, 8, 16, 32, 64) if t <= len(usable) and
-            -(-weight_bytes // t) + max(KV_MARGIN_MIN, int(KV_MARGIN_FRACTION * -(-weight_bytes // t))) <= free]
+    fits = [
+        t
+        for t in (2, 4, 8, 16, 32, 64)
+        if t <= len(usable)
+        and -(-weight_bytes // t) + max(KV_MARGIN_MIN, int(KV_MARGIN_FRACTION * -(-weight_bytes // t))) <= free
+    ]
     if cfg.extract.backend == "vllm" and fits and fits[0] > tp:
         fix = f"raise extract.tensor_parallel_size to {fits[0]}, or free memory on the GPUs"
     elif cfg.extract.backend == "hf":
@@ -196,7 +231,7 @@ def estimate_tokens(cfg: RunConfig, output_dir: str) -> tuple[int | None, str]:
     if size <= 8 * SAMPLE_BYTES:
         try:
             rows = count_rows(files, row_byte_limit(cfg.data.max_length))
-        except DataError as exc:    # an array prepare refuses: the data check names it
+        except DataError as exc:  # an array prepare refuses: the data check names it
             return None, str(exc).partition("; ")[0]
     else:
         # A large dataset: rows from the line density of its first bytes (reading all of it
@@ -214,8 +249,11 @@ def estimate_tokens(cfg: RunConfig, output_dir: str) -> tuple[int | None, str]:
     if rows == 0:
         return 0, f"{cfg.data.path} holds no rows"
     mean = min(cfg.data.max_length, max(1, size // max(rows, 1) // BYTES_PER_TOKEN))
-    return rows * mean, f"estimate: {rows} rows × ~{mean} tokens (data size ÷ {BYTES_PER_TOKEN} B/token, " \
-                        f"capped at max_length {cfg.data.max_length})"
+    return (
+        rows * mean,
+        f"estimate: {rows} rows × ~{mean} tokens (data size ÷ {BYTES_PER_TOKEN} B/token, "
+        f"capped at max_length {cfg.data.max_length})",
+    )
 
 
 def existing_parent(path: str) -> Path:
@@ -234,19 +272,26 @@ def disk(cfg: RunConfig, output_dir: str, num_ids: int, hidden: int | None, free
     tokens, source = estimate_tokens(cfg, output_dir)
     if tokens is None or hidden is None:
         why = source if tokens is None else "no hidden_size"
-        return warned(GROUP, "disk", f"cannot estimate the hidden states' size ({why})",
-                      "make sure the output folder has room for tokens × layer ids × hidden_size × dtype bytes")
+        return warned(
+            GROUP,
+            "disk",
+            f"cannot estimate the hidden states' size ({why})",
+            "make sure the output folder has room for tokens × layer ids × hidden_size × dtype bytes",
+        )
     width = DTYPE_BYTES[cfg.target.dtype]
     need = tokens * (num_ids * hidden * width + 8)
     where = existing_parent(os.path.join(output_dir, "extract"))
     if free is None:
         free = shutil.disk_usage(where).free
-    detail = (f"hidden states need {human_bytes(need)} ({tokens} tokens × {num_ids} ids × {hidden} × {width} B; "
-              f"{source}); {human_bytes(free)} free at {where}")
+    detail = (
+        f"hidden states need {human_bytes(need)} ({tokens} tokens × {num_ids} ids × {hidden} × {width} B; "
+        f"{source}); {human_bytes(free)} free at {where}"
+    )
     data = {"need": need, "tokens": tokens, "free": free, "path": str(where)}
     if need > free:
-        return failed(GROUP, "disk", detail,
-                      "point output_dir at a bigger disk, lower data.limit, or use fewer layer ids", **data)
+        return failed(
+            GROUP, "disk", detail, "point output_dir at a bigger disk, lower data.limit, or use fewer layer ids", **data
+        )
     return passed(GROUP, "disk", detail, **data)
 
 
@@ -257,13 +302,21 @@ def writable(output_dir: str) -> Check:
         return failed(GROUP, "output dir", f"{target} is a file", "point output_dir at a folder")
     where = existing_parent(str(target))
     if not where.is_dir():
-        return failed(GROUP, "output dir", f"{target} cannot be created: {where} is a file",
-                      "point output_dir at a folder under a writable directory")
+        return failed(
+            GROUP,
+            "output dir",
+            f"{target} cannot be created: {where} is a file",
+            "point output_dir at a folder under a writable directory",
+        )
     try:
         with tempfile.NamedTemporaryFile(dir=where, prefix=".eyas-doctor-"):
             pass
     except OSError as exc:
-        return failed(GROUP, "output dir", f"{where} is not writable ({exc.strerror or exc})",
-                      "point output_dir at a writable folder, or fix its permissions")
+        return failed(
+            GROUP,
+            "output dir",
+            f"{where} is not writable ({exc.strerror or exc})",
+            "point output_dir at a writable folder, or fix its permissions",
+        )
     state = "exists" if target.exists() else f"will be created under {where}"
     return passed(GROUP, "output dir", f"{target} {state}, writable", path=str(target))

@@ -42,15 +42,29 @@ def check(path: str, trust_remote_code: bool, vocab_size: int | None, needs_temp
         fix = "put the tokenizer files (tokenizer.json, tokenizer_config.json) beside config.json"
         if not trust_remote_code and "trust_remote_code" in str(exc):
             fix = "set target.trust_remote_code = true (the tokenizer ships its own code)"
-        return [failed(GROUP, "load", f"{path}: the tokenizer does not load ({type(exc).__name__}: "
-                       f"{str(exc).splitlines()[0] if str(exc) else ''})", fix)]
+        return [
+            failed(
+                GROUP,
+                "load",
+                f"{path}: the tokenizer does not load ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''})",
+                fix,
+            )
+        ]
     size = len(tokenizer)
     out = []
     kind = type(tokenizer).__name__
     if vocab_size is not None and size > vocab_size:
-        out.append(failed(GROUP, "load", f"{kind} with {size} tokens, more than the model's vocab_size "
-                          f"{vocab_size}: ids past {vocab_size - 1} have no embedding",
-                          "use the tokenizer that ships with this checkpoint", tokens=size))
+        out.append(
+            failed(
+                GROUP,
+                "load",
+                f"{kind} with {size} tokens, more than the model's vocab_size "
+                f"{vocab_size}: ids past {vocab_size - 1} have no embedding",
+                "use the tokenizer that ships with this checkpoint",
+                tokens=size,
+            )
+        )
     else:
         fits = f" (vocab_size {vocab_size})" if vocab_size else ""
         out.append(passed(GROUP, "load", f"{kind}, {size} tokens{fits}", tokens=size))
@@ -74,25 +88,52 @@ def probe(tokenizer, template: str) -> Check:
         renderer = chat.MaskedRenderer(tokenizer, template)
         ids, mask = renderer.render(PROBE)
     except (chat.RenderError, chat.TemplateMismatch) as exc:
-        return failed(GROUP, "assistant mask", f"the chat template fails on a two-turn probe: {exc}",
-                      "fix the chat template (it must render user/assistant turns), or give pre-tokenized rows")
+        return failed(
+            GROUP,
+            "assistant mask",
+            f"the chat template fails on a two-turn probe: {exc}",
+            "fix the chat template (it must render user/assistant turns), or give pre-tokenized rows",
+        )
     found = spans(mask)
     texts = [tokenizer.decode(ids[a:b]) for a, b in found]
     replies = [t["content"] for t in PROBE if t["role"] == "assistant"]
     prompts = [t["content"] for t in PROBE if t["role"] != "assistant"]
     data = {"method": renderer.method, "tokens": len(ids), "masked": sum(mask), "spans": texts}
-    fix = ("mark each assistant reply, and only it, with {% generation %}...{% endgeneration %} in the chat "
-           "template, or give pre-tokenized rows (input_ids + loss_mask)")
+    fix = (
+        "mark each assistant reply, and only it, with {% generation %}...{% endgeneration %} in the chat "
+        "template, or give pre-tokenized rows (input_ids + loss_mask)"
+    )
     if not found:
-        return failed(GROUP, "assistant mask", f"empty on a two-turn probe ({renderer.method} method, "
-                      f"{len(ids)} tokens): prepare would find nothing to train on", fix, **data)
+        return failed(
+            GROUP,
+            "assistant mask",
+            f"empty on a two-turn probe ({renderer.method} method, "
+            f"{len(ids)} tokens): prepare would find nothing to train on",
+            fix,
+            **data,
+        )
     leaked = [p for p in prompts if any(p in t for t in texts)]
     if leaked:
-        return failed(GROUP, "assistant mask", f"covers user text {leaked[0]!r} on a two-turn probe "
-                      f"(masked: {texts!r})", fix, **data)
+        return failed(
+            GROUP,
+            "assistant mask",
+            f"covers user text {leaked[0]!r} on a two-turn probe (masked: {texts!r})",
+            fix,
+            **data,
+        )
     missed = [r for r in replies if not any(r in t for t in texts)]
     if missed:
-        return failed(GROUP, "assistant mask", f"misses the assistant reply {missed[0]!r} on a two-turn probe "
-                      f"(masked: {texts!r})", fix, **data)
-    return passed(GROUP, "assistant mask", f"{renderer.method} method: {len(found)} assistant spans, "
-                  f"{sum(mask)} of {len(ids)} tokens, only assistant text ({' | '.join(texts)})", **data)
+        return failed(
+            GROUP,
+            "assistant mask",
+            f"misses the assistant reply {missed[0]!r} on a two-turn probe (masked: {texts!r})",
+            fix,
+            **data,
+        )
+    return passed(
+        GROUP,
+        "assistant mask",
+        f"{renderer.method} method: {len(found)} assistant spans, "
+        f"{sum(mask)} of {len(ids)} tokens, only assistant text ({' | '.join(texts)})",
+        **data,
+    )

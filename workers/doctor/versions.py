@@ -93,8 +93,14 @@ def check(needs_vllm: bool, lookup=importlib.metadata.version) -> list[Check]:
             if package == "vllm" and not needs_vllm:
                 out.append(passed(GROUP, package, "not installed (not needed: no stage of this run uses vLLM)"))
             elif package == "vllm":
-                out.append(failed(GROUP, package, "not installed, and extract.backend is \"vllm\"",
-                                  f'install {vllm_version.INSTALL}, or set extract.backend = "hf"'))
+                out.append(
+                    failed(
+                        GROUP,
+                        package,
+                        'not installed, and extract.backend is "vllm"',
+                        f'install {vllm_version.INSTALL}, or set extract.backend = "hf"',
+                    )
+                )
             else:
                 out.append(failed(GROUP, package, "not installed", f"install {package} (see the README's setup)"))
             continue
@@ -104,9 +110,16 @@ def check(needs_vllm: bool, lookup=importlib.metadata.version) -> list[Check]:
             out.append(passed(GROUP, package, f"{name} ({where})", version=version, dist=dist))
         else:
             known = ", ".join(f"{m}.x ({w})" for m, w in SUPPORTED[package].items())
-            out.append(warned(GROUP, package, f"{name} is not a tested release (tested: {known})",
-                              f"install a tested {package} release, or run the doctor again after you test it",
-                              version=version, dist=dist))
+            out.append(
+                warned(
+                    GROUP,
+                    package,
+                    f"{name} is not a tested release (tested: {known})",
+                    f"install a tested {package} release, or run the doctor again after you test it",
+                    version=version,
+                    dist=dist,
+                )
+            )
     versions = {p: v for p, (_, v) in found.items() if v is not None}
     for _package, (dist, version) in found.items():
         if version is None:
@@ -115,10 +128,18 @@ def check(needs_vllm: bool, lookup=importlib.metadata.version) -> list[Check]:
             have = versions.get(other)
             if have is None or _satisfies(have, spec):
                 continue
-            out.append(failed(GROUP, f"{dist} {version} needs {other}{spec}",
-                              f"{other} {have} is outside {dist} {version}'s pin {other}{spec}",
-                              f"install {other} within {spec} (pip install '{other}{spec}'), or another {dist}",
-                              package=other, have=have, pin=spec, by=f"{dist} {version}"))
+            out.append(
+                failed(
+                    GROUP,
+                    f"{dist} {version} needs {other}{spec}",
+                    f"{other} {have} is outside {dist} {version}'s pin {other}{spec}",
+                    f"install {other} within {spec} (pip install '{other}{spec}'), or another {dist}",
+                    package=other,
+                    have=have,
+                    pin=spec,
+                    by=f"{dist} {version}",
+                )
+            )
     for dist, (breaks, why) in CONFLICTS.items():
         if found.get("vllm", (None,))[0] != breaks:
             continue
@@ -126,8 +147,14 @@ def check(needs_vllm: bool, lookup=importlib.metadata.version) -> list[Check]:
             version = lookup(dist)
         except importlib.metadata.PackageNotFoundError:
             continue
-        out.append(failed(GROUP, dist, f"{dist} {version} is installed beside {breaks}: {why}",
-                          f"pip uninstall -y {dist} (no eyas code uses it)"))
+        out.append(
+            failed(
+                GROUP,
+                dist,
+                f"{dist} {version} is installed beside {breaks}: {why}",
+                f"pip uninstall -y {dist} (no eyas code uses it)",
+            )
+        )
     return out
 
 
@@ -135,4 +162,4 @@ def _satisfies(version: str, spec: str) -> bool:
     try:
         return SpecifierSet(spec).contains(Version(version), prereleases=True)
     except (InvalidSpecifier, InvalidVersion):
-        return True     # an unparsable version is not evidence of a broken pin
+        return True  # an unparsable version is not evidence of a broken pin

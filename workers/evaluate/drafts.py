@@ -39,8 +39,10 @@ def trained_draft(train_dir: Path) -> Path:
     epochs = [c for c in found if c.name.startswith("epoch-")]
     if epochs or found:
         return (epochs or found)[-1].path
-    raise DraftMissing(f"{root}: no trained draft (no complete checkpoint); run the train stage first "
-                       "(put \"train\" before \"evaluate\" in the pipeline)")
+    raise DraftMissing(
+        f"{root}: no trained draft (no complete checkpoint); run the train stage first "
+        '(put "train" before "evaluate" in the pipeline)'
+    )
 
 
 def shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -50,9 +52,19 @@ def shapes(path: Path) -> dict[str, tuple[int, ...]]:
         return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
 
 
-def build_baseline(trained: Path, dest: Path, *, target_path: str, extract_dir: Path, vocab_dir: Path,
-                   draft_vocab: int, num_layers: int, ttt_steps: int, seed: int,
-                   trust_remote_code: bool = False) -> Path:
+def build_baseline(
+    trained: Path,
+    dest: Path,
+    *,
+    target_path: str,
+    extract_dir: Path,
+    vocab_dir: Path,
+    draft_vocab: int,
+    num_layers: int,
+    ttt_steps: int,
+    seed: int,
+    trust_remote_code: bool = False,
+) -> Path:
     """Write the untrained draft to `dest` (atomically: a temp dir renamed into place)."""
     import torch
 
@@ -60,9 +72,10 @@ def build_baseline(trained: Path, dest: Path, *, target_path: str, extract_dir: 
     from eyas.workers.train import model as train_model
 
     layout = train_data.read_layout(extract_dir)
-    torch.manual_seed(seed)     # the trainer's initial draft (train/loop.py: Trainer._model)
-    model = train_model.build(target_path, layout.aux_ids, draft_vocab, num_layers, ttt_steps, vocab_dir,
-                              "sdpa", trust_remote_code)
+    torch.manual_seed(seed)  # the trainer's initial draft (train/loop.py: Trainer._model)
+    model = train_model.build(
+        target_path, layout.aux_ids, draft_vocab, num_layers, ttt_steps, vocab_dir, "sdpa", trust_remote_code
+    )
     tmp = dest.with_name(f".tmp-{dest.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -70,8 +83,10 @@ def build_baseline(trained: Path, dest: Path, *, target_path: str, extract_dir: 
         want, got = shapes(trained), shapes(tmp)
         if want != got:
             diff = sorted(set(want.items()) ^ set(got.items()))[:3]
-            raise ValueError(f"{trained}: the trained draft's tensors differ from an untrained draft built from this "
-                             f"run's config (first differences: {diff}); evaluate the run the draft was trained in")
+            raise ValueError(
+                f"{trained}: the trained draft's tensors differ from an untrained draft built from this "
+                f"run's config (first differences: {diff}); evaluate the run the draft was trained in"
+            )
         if dest.exists():
             shutil.rmtree(dest)
         os.rename(tmp, dest)
@@ -79,6 +94,10 @@ def build_baseline(trained: Path, dest: Path, *, target_path: str, extract_dir: 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     cfg = json.loads((dest / "config.json").read_text())
-    log.info("baseline: an untrained draft of the same shape (seed %d, aux layers %s) at %s", seed,
-             cfg.get("eagle_aux_hidden_state_layer_ids"), dest)
+    log.info(
+        "baseline: an untrained draft of the same shape (seed %d, aux layers %s) at %s",
+        seed,
+        cfg.get("eagle_aux_hidden_state_layer_ids"),
+        dest,
+    )
     return dest

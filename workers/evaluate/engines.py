@@ -65,9 +65,9 @@ class EngineFailed(RuntimeError):
 class Spec:
     """Everything one child needs (written to spec.json)."""
 
-    label: str                          # "target", "trained", "baseline", ...
+    label: str  # "target", "trained", "baseline", ...
     target: str
-    draft: str | None                   # a speculators eagle3 checkpoint, or None: the target alone
+    draft: str | None  # a speculators eagle3 checkpoint, or None: the target alone
     num_speculative_tokens: int
     dtype: str
     tensor_parallel_size: int
@@ -76,7 +76,7 @@ class Spec:
     max_tokens: int
     max_num_seqs: int
     enforce_eager: bool
-    cpu_mla: bool = False               # vLLM's CPU build with an MLA target (see engine_args)
+    cpu_mla: bool = False  # vLLM's CPU build with an MLA target (see engine_args)
     engine_options: dict[str, Any] = field(default_factory=dict)
     warmup_tokens: int = 8
 
@@ -96,17 +96,26 @@ def engine_args(spec: Spec) -> dict[str, Any]:
     """
     longest = max((len(p) for p in spec.prompts), default=1)
     args: dict[str, Any] = {
-        "model": spec.target, "tokenizer": spec.target, "dtype": spec.dtype,
-        "tensor_parallel_size": spec.tensor_parallel_size, "pipeline_parallel_size": 1,
-        "trust_remote_code": spec.trust_remote_code, "enable_prefix_caching": False,
-        "disable_log_stats": False, "enforce_eager": spec.enforce_eager, "seed": 0,
+        "model": spec.target,
+        "tokenizer": spec.target,
+        "dtype": spec.dtype,
+        "tensor_parallel_size": spec.tensor_parallel_size,
+        "pipeline_parallel_size": 1,
+        "trust_remote_code": spec.trust_remote_code,
+        "enable_prefix_caching": False,
+        "disable_log_stats": False,
+        "enforce_eager": spec.enforce_eager,
+        "seed": 0,
         "max_num_seqs": spec.max_num_seqs,
         # Room for the longest prompt, its answer and one round of drafts past the end.
         "max_model_len": longest + spec.max_tokens + spec.num_speculative_tokens + 8,
     }
     if spec.draft is not None:
-        args["speculative_config"] = {"method": "eagle3", "model": spec.draft,
-                                      "num_speculative_tokens": spec.num_speculative_tokens}
+        args["speculative_config"] = {
+            "method": "eagle3",
+            "model": spec.draft,
+            "num_speculative_tokens": spec.num_speculative_tokens,
+        }
     args.update(spec.engine_options)
     if spec.cpu_mla:
         args = with_native_rotary(args)
@@ -146,10 +155,18 @@ def _child(spec_path: str, result_path: str) -> int:
     try:
         result = _generate(spec)
     except BaseException as exc:  # noqa: BLE001 - the parent needs whatever stopped us
-        atomic.write_json(Path(result_path), {"error": {
-            "type": type(exc).__qualname__ if type(exc).__module__ == "builtins"
-            else f"{type(exc).__module__}.{type(exc).__qualname__}",
-            "message": str(exc), "traceback": "".join(traceback.format_exception(exc))}})
+        atomic.write_json(
+            Path(result_path),
+            {
+                "error": {
+                    "type": type(exc).__qualname__
+                    if type(exc).__module__ == "builtins"
+                    else f"{type(exc).__module__}.{type(exc).__qualname__}",
+                    "message": str(exc),
+                    "traceback": "".join(traceback.format_exception(exc)),
+                }
+            },
+        )
         traceback.print_exc()
         return 1
     if result is not None:
@@ -162,8 +179,10 @@ def _generate(spec: Spec) -> dict[str, Any] | None:
     from vllm.inputs import TokensPrompt
 
     args = engine_args(spec)
-    print(f"eyas evaluate [{spec.label}]: vLLM engine {json.dumps({k: v for k, v in args.items() if k != 'model'})}",
-          flush=True)
+    print(
+        f"eyas evaluate [{spec.label}]: vLLM engine {json.dumps({k: v for k, v in args.items() if k != 'model'})}",
+        flush=True,
+    )
     t0 = time.monotonic()
     llm = LLM(**args)
     load_s = time.monotonic() - t0
@@ -171,12 +190,15 @@ def _generate(spec: Spec) -> dict[str, Any] | None:
     greedy = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, detokenize=False)
     # A short warm-up first: the first steps pay one-off costs (kernel selection, allocations)
     # that would otherwise count against whichever engine runs first.
-    llm.generate(prompts[: spec.max_num_seqs], SamplingParams(temperature=0.0, max_tokens=spec.warmup_tokens,
-                                                              detokenize=False), use_tqdm=False)
+    llm.generate(
+        prompts[: spec.max_num_seqs],
+        SamplingParams(temperature=0.0, max_tokens=spec.warmup_tokens, detokenize=False),
+        use_tqdm=False,
+    )
     # Loaded: wait for the parent's word, so that the timed run has the machine to itself.
     print(f"{READY} [{spec.label}] engine up in {load_s:.1f}s", flush=True)
     if sys.stdin.readline().strip() != GO:
-        return None         # the parent is gone or gave up: nothing to measure
+        return None  # the parent is gone or gave up: nothing to measure
     before = counters(llm.get_metrics())
     t1 = time.perf_counter()
     outs = llm.generate(prompts, greedy, use_tqdm=False)
@@ -184,12 +206,21 @@ def _generate(spec: Spec) -> dict[str, Any] | None:
     after = counters(llm.get_metrics())
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
     generated = sum(len(t) for t in token_ids)
-    result = {"label": spec.label, "token_ids": token_ids, "tokens": generated, "seconds": seconds,
-              "tok_s": generated / seconds if seconds > 0 else None, "load_seconds": load_s,
-              "counters": delta(after, before) if spec.draft is not None else None}
-    print(f"eyas evaluate [{spec.label}]: {len(token_ids)} prompts, {generated} tokens in {seconds:.2f}s "
-          f"({result['tok_s']:.1f} tok/s); engine up in {load_s:.1f}s"
-          + (f"; counters {json.dumps(result['counters'])}" if result["counters"] else ""), flush=True)
+    result = {
+        "label": spec.label,
+        "token_ids": token_ids,
+        "tokens": generated,
+        "seconds": seconds,
+        "tok_s": generated / seconds if seconds > 0 else None,
+        "load_seconds": load_s,
+        "counters": delta(after, before) if spec.draft is not None else None,
+    }
+    print(
+        f"eyas evaluate [{spec.label}]: {len(token_ids)} prompts, {generated} tokens in {seconds:.2f}s "
+        f"({result['tok_s']:.1f} tok/s); engine up in {load_s:.1f}s"
+        + (f"; counters {json.dumps(result['counters'])}" if result["counters"] else ""),
+        flush=True,
+    )
     return result
 
 
@@ -221,8 +252,12 @@ class Child:
         # Its own session: on a timeout, the engine's processes (EngineCore, workers) go with it.
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "eyas.workers.evaluate.engines", str(self.spec_path), str(self.result_path)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **env},
-            start_new_session=True)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            start_new_session=True,
+        )
         self.pump = threading.Thread(target=self._pump, daemon=True, name=f"eyas-eval-{spec.label}")
         self.pump.start()
 
@@ -243,7 +278,7 @@ class Child:
     def wait_ready(self, deadline: float | None) -> None:
         while not self.ready.wait(0.2):
             if self.proc.poll() is not None:
-                self.ready.wait(2)      # the pump may still be reading its last lines
+                self.ready.wait(2)  # the pump may still be reading its last lines
                 if not self.ready.is_set():
                     raise self.failure()
             self._check_deadline(deadline)
@@ -253,7 +288,7 @@ class Child:
             self.proc.stdin.write(f"{GO}\n".encode())
             self.proc.stdin.close()
         except BrokenPipeError:
-            pass        # it died after loading: finish() reports why
+            pass  # it died after loading: finish() reports why
 
     def finish(self, deadline: float | None) -> dict:
         """Wait for the child to exit (vLLM's own shutdown frees its shared memory); its result."""
@@ -270,8 +305,9 @@ class Child:
     def _check_deadline(self, deadline: float | None) -> None:
         if deadline is not None and time.monotonic() > deadline:
             self.kill()
-            raise EngineFailed(f"{self.spec.label}: vLLM did not finish in time; lower evaluate.max_prompts or "
-                               "evaluate.max_tokens")
+            raise EngineFailed(
+                f"{self.spec.label}: vLLM did not finish in time; lower evaluate.max_prompts or evaluate.max_tokens"
+            )
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -296,8 +332,11 @@ class Child:
             exc = EngineFailed(f"vLLM with {what} failed: {err['type']}: {message.splitlines()[0]}")
             exc.add_note(f"the child's traceback:\n{err.get('traceback', '')}")
         else:
-            how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
-                   else f"exited {code} without a result")
+            how = (
+                f"was killed by {signal.Signals(-code).name}"
+                if code is not None and code < 0
+                else f"exited {code} without a result"
+            )
             root = _root_line(tail)
             exc = EngineFailed(f"vLLM with {what} {how}" + (f": {root}" if root else ""))
         exc.add_note("the child's last output lines:\n" + "\n".join(tail))
@@ -310,8 +349,15 @@ class Child:
 SETTLE_S = 1.5
 
 
-def measure_all(specs: list[Spec], workdir: Path, env: dict[str, str] | None = None, loads_at_once: int = 1,
-                timeout: float | None = None, on_result=None, progress=None) -> dict[str, dict]:
+def measure_all(
+    specs: list[Spec],
+    workdir: Path,
+    env: dict[str, str] | None = None,
+    loads_at_once: int = 1,
+    timeout: float | None = None,
+    on_result=None,
+    progress=None,
+) -> dict[str, dict]:
     """Run the measurements in order; their results by label (`on_result(label, result)` is
     called as each one ends).
 
@@ -329,7 +375,7 @@ def measure_all(specs: list[Spec], workdir: Path, env: dict[str, str] | None = N
     results: dict[str, dict] = {}
     step = max(1, loads_at_once)
     for first in range(0, len(specs), step):
-        batch = [Child(spec, workdir, env or {}) for spec in specs[first:first + step]]
+        batch = [Child(spec, workdir, env or {}) for spec in specs[first : first + step]]
         labels = ", ".join(child.spec.label for child in batch)
         try:
             with _beating(progress, f"vllm engine start ({labels})"):

@@ -33,12 +33,16 @@ def from_validation(prepare_dir: Path, limit: int) -> tuple[list[list[int]], lis
 
     splits, ds_path = prepare_dir / "splits.json", prepare_dir / "dataset"
     if not splits.exists() or not ds_path.is_dir():
-        raise PromptError(f"{prepare_dir}: no splits.json / dataset; run the prepare stage first, or set "
-                          "evaluate.prompts to a prompt file")
+        raise PromptError(
+            f"{prepare_dir}: no splits.json / dataset; run the prepare stage first, or set "
+            "evaluate.prompts to a prompt file"
+        )
     rows = sorted(int(i) for i in json.loads(splits.read_text()).get("validation", []))
     if not rows:
-        raise PromptError(f"{splits}: no validation rows (data.validation_fraction = 0); set "
-                          "data.validation_fraction > 0 or evaluate.prompts to a prompt file")
+        raise PromptError(
+            f"{splits}: no validation rows (data.validation_fraction = 0); set "
+            "data.validation_fraction > 0 or evaluate.prompts to a prompt file"
+        )
     data = load_from_disk(str(ds_path)).with_format(None)
     prompts, used = [], []
     for row in rows:
@@ -46,14 +50,16 @@ def from_validation(prepare_dir: Path, limit: int) -> tuple[list[list[int]], lis
         mask = item["loss_mask"]
         first = next((i for i, m in enumerate(mask) if m), 0)
         if first == 0:
-            continue        # nothing before the first answer token: no prompt to give
+            continue  # nothing before the first answer token: no prompt to give
         prompts.append([int(t) for t in item["input_ids"][:first]])
         used.append(row)
         if limit and len(prompts) >= limit:
             break
     if not prompts:
-        raise PromptError(f"{splits}: none of the {len(rows)} validation rows has a prompt before its first "
-                          "assistant token; set evaluate.prompts to a prompt file")
+        raise PromptError(
+            f"{splits}: none of the {len(rows)} validation rows has a prompt before its first "
+            "assistant token; set evaluate.prompts to a prompt file"
+        )
     return prompts, used
 
 
@@ -76,13 +82,17 @@ def from_file(path: Path, target_path: str, trust_remote_code: bool, vocab_size:
         except json.JSONDecodeError as exc:
             raise PromptError(f"{where}: not JSON ({exc.msg}); write one JSON object per line") from None
         if not isinstance(value, dict):
-            raise PromptError(f"{where}: expected a JSON object like {{\"prompt\": \"...\"}}")
+            raise PromptError(f'{where}: expected a JSON object like {{"prompt": "..."}}')
         if "prompt_token_ids" in value:
             ids = value["prompt_token_ids"]
-            if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool)
-                                                          and 0 <= t < vocab_size for t in ids)):
-                raise PromptError(f"{where}: prompt_token_ids must be a non-empty array of token ids "
-                                  f"from 0 to {vocab_size - 1}")
+            if not (
+                isinstance(ids, list)
+                and ids
+                and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids)
+            ):
+                raise PromptError(
+                    f"{where}: prompt_token_ids must be a non-empty array of token ids from 0 to {vocab_size - 1}"
+                )
         else:
             if tokenizer is None:
                 from eyas.workers.data.chat import load_tokenizer
@@ -90,16 +100,18 @@ def from_file(path: Path, target_path: str, trust_remote_code: bool, vocab_size:
                 tokenizer = load_tokenizer(target_path, trust_remote_code)
             if "prompt" in value:
                 if not isinstance(value["prompt"], str) or not value["prompt"]:
-                    raise PromptError(f"{where}: \"prompt\" must be a non-empty string")
+                    raise PromptError(f'{where}: "prompt" must be a non-empty string')
                 ids = list(tokenizer(value["prompt"])["input_ids"])
             else:
                 try:
                     chat = normalize(value, "auto", vocab_size)
                 except RowError as exc:
-                    raise PromptError(f"{where}: {exc.detail}; write {{\"prompt\": \"...\"}}, "
-                                      "{\"prompt_token_ids\": [...]} or a chat (\"messages\")") from None
+                    raise PromptError(
+                        f'{where}: {exc.detail}; write {{"prompt": "..."}}, '
+                        '{"prompt_token_ids": [...]} or a chat ("messages")'
+                    ) from None
                 if not isinstance(chat, Chat):
-                    raise PromptError(f"{where}: a pre-tokenized training row; write {{\"prompt_token_ids\": [...]}}")
+                    raise PromptError(f'{where}: a pre-tokenized training row; write {{"prompt_token_ids": [...]}}')
                 ids = _render(tokenizer, chat.messages, where)
         prompts.append([int(t) for t in ids])
         if limit and len(prompts) >= limit:

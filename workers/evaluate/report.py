@@ -17,13 +17,17 @@ from typing import Any
 def acceptance(counters: dict[str, Any]) -> dict[str, Any]:
     drafts, proposed, accepted = counters["drafts"], counters["draft_tokens"], counters["accepted"]
     if drafts <= 0:
-        raise ValueError("vLLM counted no drafts: speculative decoding did not run (the prompts' answers "
-                         "ended before a draft was proposed?); raise evaluate.max_tokens")
+        raise ValueError(
+            "vLLM counted no drafts: speculative decoding did not run (the prompts' answers "
+            "ended before a draft was proposed?); raise evaluate.max_tokens"
+        )
     return {
         "acceptance_length": 1.0 + accepted / drafts,
         "acceptance_rate": accepted / proposed if proposed else 0.0,
         "per_position": [n / drafts for n in counters["accepted_per_pos"]],
-        "drafts": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
+        "drafts": drafts,
+        "draft_tokens": proposed,
+        "accepted_tokens": accepted,
     }
 
 
@@ -39,9 +43,14 @@ def compare(reference: list[list[int]], other: list[list[int]], rows: list[int] 
         a, b = reference[i], other[i]
         pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         out["first_mismatch"] = {
-            "prompt": i, "row": rows[i] if rows else None, "position": pos,
-            "expected": a[pos] if pos < len(a) else None, "got": b[pos] if pos < len(b) else None,
-            "expected_length": len(a), "got_length": len(b)}
+            "prompt": i,
+            "row": rows[i] if rows else None,
+            "position": pos,
+            "expected": a[pos] if pos < len(a) else None,
+            "got": b[pos] if pos < len(b) else None,
+            "expected_length": len(a),
+            "got_length": len(b),
+        }
     return out
 
 
@@ -53,5 +62,7 @@ def mismatch_text(label: str, diff: dict[str, Any]) -> str:
         what = f"{first['got_length']} tokens instead of {first['expected_length']}"
     else:
         what = f"token {first['got']} instead of {first['expected']}"
-    return (f"{label}: {diff['mismatched_prompts']} of {diff['prompts']} prompts differ (first: prompt "
-            f"{first['prompt']}{row}, output position {first['position']}: {what})")
+    return (
+        f"{label}: {diff['mismatched_prompts']} of {diff['prompts']} prompts differ (first: prompt "
+        f"{first['prompt']}{row}, output position {first['position']}: {what})"
+    )

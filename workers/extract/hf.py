@@ -41,32 +41,48 @@ def main(ctx, settings: Settings) -> None:
     dist = Dist(ctx, backend="gloo", timeout=timedelta(hours=12))
     done = False
     try:
-        with ctx.progress.beating("load target"):   # minutes for a large model, and silent
-            target = hf_target.load(settings.target_path, settings.dtype, settings.trust_remote_code,
-                                    settings.device)
+        with ctx.progress.beating("load target"):  # minutes for a large model, and silent
+            target = hf_target.load(settings.target_path, settings.dtype, settings.trust_remote_code, settings.device)
         n = target.decoder.num_layers
         layer_ids = target.decoder.check_ids(settings.layer_ids or default_layer_ids(n))
         plan = plan_batches(lengths, ctx.world_size, ctx.rank, settings.batch_size)
         hs_dir = settings.out_dir / HIDDEN_STATES_DIR
         claim_output(settings.out_dir, identity(settings, arch, layer_ids, dataset))
-        stats = run(target, layer_ids, dataset, lengths, plan, hs_dir, settings.dtype, settings.device,
-                    progress=ctx.progress)
+        stats = run(
+            target, layer_ids, dataset, lengths, plan, hs_dir, settings.dtype, settings.device, progress=ctx.progress
+        )
         # Also the barrier: every rank's files are written by the time the sums arrive.
         totals = dist.all_reduce(torch.tensor(stats.totals(), dtype=torch.int64)).tolist()
         if ctx.rank == 0:
             finish(ctx, settings, target_info(target), layer_ids, lengths, hs_dir, totals)
         done = True
     finally:
-        dist.close(barrier=done)    # no barrier after a failure: the other ranks may be anywhere
+        dist.close(barrier=done)  # no barrier after a failure: the other ranks may be anywhere
 
 
 def target_info(target) -> TargetInfo:
-    return TargetInfo(target.architecture, target.model_type, target.adapter.family, target.decoder.path,
-                      target.decoder.num_layers, hidden_size(target))
+    return TargetInfo(
+        target.architecture,
+        target.model_type,
+        target.adapter.family,
+        target.decoder.path,
+        target.decoder.num_layers,
+        hidden_size(target),
+    )
 
 
-def run(target, layer_ids, dataset, lengths, plan, hs_dir: Path, dtype: str, device: str = "cpu",
-        progress=None, max_pending: int = 2) -> Stats:
+def run(
+    target,
+    layer_ids,
+    dataset,
+    lengths,
+    plan,
+    hs_dir: Path,
+    dtype: str,
+    device: str = "cpu",
+    progress=None,
+    max_pending: int = 2,
+) -> Stats:
     """Compute this rank's `plan` and write its missing files; returns what was done."""
     import torch
 
@@ -102,8 +118,9 @@ def run(target, layer_ids, dataset, lengths, plan, hs_dir: Path, dtype: str, dev
     stats.seconds = time.monotonic() - t0
     if progress is not None:
         progress.update(samples=stats.samples, tokens=stats.tokens, force=True)
-    log.info("rank done: %d files written, %d batches skipped, %.1f s", stats.written,
-             stats.skipped_batches, stats.seconds)
+    log.info(
+        "rank done: %d files written, %d batches skipped, %.1f s", stats.written, stats.skipped_batches, stats.seconds
+    )
     return stats
 
 
@@ -121,8 +138,8 @@ def pad_batch(token_ids: list[list[int]], pad_id: int, device: str = "cpu"):
     ids = torch.full((len(token_ids), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(token_ids), width), dtype=torch.long)
     for row, t in enumerate(token_ids):
-        ids[row, :len(t)] = torch.tensor(t, dtype=torch.long)
-        mask[row, :len(t)] = 1
+        ids[row, : len(t)] = torch.tensor(t, dtype=torch.long)
+        mask[row, : len(t)] = 1
     return ids.to(device), mask.to(device)
 
 
@@ -144,7 +161,7 @@ def _forward(decoder, capture, token_ids: list[list[int]], pad_id: int, device: 
 
     try:
         ids, mask = pad_batch(token_ids, pad_id, device)
-        capture.into(out[row:row + len(token_ids), :ids.shape[1]])
+        capture.into(out[row : row + len(token_ids), : ids.shape[1]])
         decoder.module(input_ids=ids, attention_mask=mask, use_cache=False)
         capture.finish()
     except torch.OutOfMemoryError:
@@ -169,9 +186,13 @@ def job(hidden, batch: list[int], token_ids: list[list[int]], missing: set[int],
         # writer waits for this event instead of the loop waiting for the copies.
         ready = torch.cuda.Event()
         ready.record()
-    items = [hswriter.Item(idx=i, row=row, length=len(token_ids[row]),
-                           token_ids=torch.tensor(token_ids[row], dtype=torch.int64))
-             for row, i in enumerate(batch) if i in missing]
+    items = [
+        hswriter.Item(
+            idx=i, row=row, length=len(token_ids[row]), token_ids=torch.tensor(token_ids[row], dtype=torch.int64)
+        )
+        for row, i in enumerate(batch)
+        if i in missing
+    ]
     return hswriter.Job(hidden=hidden, items=items, ready=ready)
 
 

@@ -76,7 +76,7 @@ def remove_temp_files(directory: Path, indices: set[int], written_before: float 
         elif atomic.is_library_temp(entry.name):
             try:
                 doomed = entry.is_file(follow_symlinks=False) and entry.stat().st_mtime < written_before
-            except FileNotFoundError:   # a peer removed it first
+            except FileNotFoundError:  # a peer removed it first
                 doomed = False
         else:
             doomed = False
@@ -91,17 +91,17 @@ def remove_temp_files(directory: Path, indices: set[int], written_before: float 
 
 @dataclass
 class Item:
-    idx: int            # the dataset row, which names the file
-    row: int            # its row in the batch tensor
-    length: int         # its real (unpadded) length
-    token_ids: Any      # int64 tensor [length]
+    idx: int  # the dataset row, which names the file
+    row: int  # its row in the batch tensor
+    length: int  # its real (unpadded) length
+    token_ids: Any  # int64 tensor [length]
 
 
 @dataclass
 class Job:
-    hidden: Any             # [batch, seq, n_layers, hidden] on the CPU, in the target dtype
-    items: list[Item]       # only the samples still to write
-    ready: Any = None       # a CUDA event to wait on before reading `hidden`, or None
+    hidden: Any  # [batch, seq, n_layers, hidden] on the CPU, in the target dtype
+    items: list[Item]  # only the samples still to write
+    ready: Any = None  # a CUDA event to wait on before reading `hidden`, or None
 
 
 _STOP = object()
@@ -161,7 +161,7 @@ class HiddenStatesWriter:
                     job.ready.synchronize()
                 for item in job.items:
                     # A contiguous view: rows of a [batch, seq, ...] tensor cut at `length`.
-                    hidden = job.hidden[item.row, :item.length]
+                    hidden = job.hidden[item.row, : item.length]
                     with atomic.atomic_path(self.directory / file_name(item.idx)) as tmp:
                         save_file({"hidden_states": hidden, "token_ids": item.token_ids}, tmp)
                     self.written += 1

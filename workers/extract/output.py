@@ -33,7 +33,7 @@ class TargetInfo:
 
     architecture: str
     model_type: str | None
-    adapter: str            # the adapter family
+    adapter: str  # the adapter family
     decoder_path: str
     num_layers: int
     hidden_size: int
@@ -42,8 +42,14 @@ class TargetInfo:
 def identity(settings: Settings, arch: str, layer_ids, dataset) -> dict:
     """What an output dir is bound to (claim_output). The backend is part of it: the two
     backends compute the same states, but not to the same bits."""
-    return {"model": str(Path(settings.target_path).resolve()), "architecture": arch, "backend": settings.backend,
-            "dtype": settings.dtype, "layer_ids": list(layer_ids), "dataset": dataset_digest(dataset)}
+    return {
+        "model": str(Path(settings.target_path).resolve()),
+        "architecture": arch,
+        "backend": settings.backend,
+        "dtype": settings.dtype,
+        "layer_ids": list(layer_ids),
+        "dataset": dataset_digest(dataset),
+    }
 
 
 def dataset_digest(dataset) -> str:
@@ -80,37 +86,67 @@ def claim_output(out_dir: Path, identity: dict) -> None:
         if recorded.get(key) != identity.get(key):
             raise RuntimeError(
                 f"{out_dir} holds the output of another extraction ({key}: {recorded.get(key)!r} there, "
-                f"{identity.get(key)!r} now); set another output_dir, or delete {out_dir} to start over")
+                f"{identity.get(key)!r} now); set another output_dir, or delete {out_dir} to start over"
+            )
 
 
-def finish(ctx, settings: Settings, info: TargetInfo, layer_ids, lengths, hs_dir: Path, totals: list[int],
-           extra: dict | None = None, summary_extra: dict | None = None) -> None:
+def finish(
+    ctx,
+    settings: Settings,
+    info: TargetInfo,
+    layer_ids,
+    lengths,
+    hs_dir: Path,
+    totals: list[int],
+    extra: dict | None = None,
+    summary_extra: dict | None = None,
+) -> None:
     """Rank 0, once every rank is done: check the files, write data_config.json and summary.json."""
     _check_complete(hs_dir, len(lengths))
     atomic.write_json(settings.out_dir / DATA_CONFIG, data_config(info, settings, layer_ids, lengths, hs_dir, extra))
-    atomic.write_json(ctx.attempt_dir / contract.SUMMARY, {
-        "outputs": [str(hs_dir), str(settings.out_dir / DATA_CONFIG)],
-        "samples": totals[0], "tokens": totals[1],
-        "samples_computed": totals[2], "files_written": totals[3],
-        "batches_skipped": totals[4], "layer_ids": list(layer_ids),
-        "architecture": info.architecture, "adapter": info.adapter, "world_size": ctx.world_size,
-        "batch_size": settings.batch_size, "dtype": settings.dtype,
-        **({"backend": settings.backend, "tensor_parallel_size": settings.tensor_parallel_size}
-           if settings.backend != "hf" else {}),
-        **(summary_extra or {}),
-    })
+    atomic.write_json(
+        ctx.attempt_dir / contract.SUMMARY,
+        {
+            "outputs": [str(hs_dir), str(settings.out_dir / DATA_CONFIG)],
+            "samples": totals[0],
+            "tokens": totals[1],
+            "samples_computed": totals[2],
+            "files_written": totals[3],
+            "batches_skipped": totals[4],
+            "layer_ids": list(layer_ids),
+            "architecture": info.architecture,
+            "adapter": info.adapter,
+            "world_size": ctx.world_size,
+            "batch_size": settings.batch_size,
+            "dtype": settings.dtype,
+            **(
+                {"backend": settings.backend, "tensor_parallel_size": settings.tensor_parallel_size}
+                if settings.backend != "hf"
+                else {}
+            ),
+            **(summary_extra or {}),
+        },
+    )
 
 
 def _check_complete(hs_dir: Path, n: int) -> None:
     present = hswriter.existing(hs_dir)
     missing = [i for i in range(n) if i not in present]
     if missing:
-        raise RuntimeError(f"{hs_dir}: {len(missing)} of {n} samples have no file after every rank "
-                           f"finished (first: {hswriter.file_name(missing[0])})")
+        raise RuntimeError(
+            f"{hs_dir}: {len(missing)} of {n} samples have no file after every rank "
+            f"finished (first: {hswriter.file_name(missing[0])})"
+        )
 
 
-def data_config(info: TargetInfo, settings: Settings, layer_ids: tuple[int, ...], lengths: list[int],
-                hs_dir: Path, extra: dict | None = None) -> dict[str, Any]:
+def data_config(
+    info: TargetInfo,
+    settings: Settings,
+    layer_ids: tuple[int, ...],
+    lengths: list[int],
+    hs_dir: Path,
+    extra: dict | None = None,
+) -> dict[str, Any]:
     """What the files hold and how they were made; deterministic (no timestamps, no hosts)."""
     from eyas.workers.models.adapters import Decoder
 
@@ -134,9 +170,13 @@ def data_config(info: TargetInfo, settings: Settings, layer_ids: tuple[int, ...]
         "num_hidden_layers": n,
         "hidden_size": hidden_size,
         "dtype": settings.dtype,
-        "model": {"path": settings.target_path, "architecture": info.architecture,
-                  "model_type": info.model_type, "adapter": info.adapter,
-                  "decoder": info.decoder_path},
+        "model": {
+            "path": settings.target_path,
+            "architecture": info.architecture,
+            "model_type": info.model_type,
+            "adapter": info.adapter,
+            "decoder": info.decoder_path,
+        },
         "dataset": os.path.relpath(settings.dataset_dir, settings.out_dir),
         "num_samples": len(lengths),
         "num_tokens": sum(lengths),

@@ -25,14 +25,14 @@ class Settings:
     target_path: str
     dtype: str
     trust_remote_code: bool
-    layer_ids: tuple[int, ...] | None   # None: config.default_layer_ids(N)
+    layer_ids: tuple[int, ...] | None  # None: config.default_layer_ids(N)
     batch_size: int
-    device: str                         # "cpu" or "cuda"
+    device: str  # "cpu" or "cuda"
     dataset_dir: Path
-    out_dir: Path                       # <output_dir>/extract
+    out_dir: Path  # <output_dir>/extract
     backend: str = "hf"
     tensor_parallel_size: int = 1
-    vllm_options: dict | None = None    # more vLLM engine arguments ([stages.extract] options.vllm)
+    vllm_options: dict | None = None  # more vLLM engine arguments ([stages.extract] options.vllm)
     worker_extension: str | None = None  # another vLLM worker extension class (a subclass of eyas's)
 
     @classmethod
@@ -40,8 +40,10 @@ class Settings:
         cfg = ctx.config or {}
         target = cfg.get("target")
         if not target:
-            raise ValueError("extract needs the run config's [target] (EYAS_CONFIG names no target); "
-                             "add a [target] table with path = \"<model directory>\"")
+            raise ValueError(
+                "extract needs the run config's [target] (EYAS_CONFIG names no target); "
+                'add a [target] table with path = "<model directory>"'
+            )
         # The tables as the run was submitted with them, checked then (state/runconfig.py);
         # read through their models here, so no key's type or default is restated.
         target = TargetConfig.model_validate(target)
@@ -86,17 +88,17 @@ def plan_batches(lengths: Sequence[int], world_size: int, rank: int, batch_size:
         raise ValueError(f"extract.batch_size = {batch_size}: use 1 or more")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     mine = order[rank::world_size]
-    return [mine[k:k + batch_size] for k in range(0, len(mine), batch_size)]
+    return [mine[k : k + batch_size] for k in range(0, len(mine), batch_size)]
 
 
 @dataclass
 class Stats:
-    samples: int = 0            # samples of this rank done (present on disk or written now)
+    samples: int = 0  # samples of this rank done (present on disk or written now)
     tokens: int = 0
-    computed: int = 0           # samples whose batch ran in this attempt
-    written: int = 0            # files written in this attempt
-    skipped_batches: int = 0    # batches whose files all existed
-    seconds: float = 0.0        # wall time of the batch loop
+    computed: int = 0  # samples whose batch ran in this attempt
+    written: int = 0  # files written in this attempt
+    skipped_batches: int = 0  # batches whose files all existed
+    seconds: float = 0.0  # wall time of the batch loop
 
     def batch_done(self, b: int, n_batches: int, batch, missing, lengths, progress) -> None:
         """Count a batch that ran (both backends), report it, and log every 20th."""
@@ -126,15 +128,22 @@ def resume(plan, lengths, hs_dir: Path, progress=None) -> tuple[set[int], Stats]
     if done:
         log.info("resuming: %d of %d samples already extracted", len(done), len(mine))
     if progress is not None:
-        progress.update(samples=stats.samples, tokens=stats.tokens, samples_total=len(mine),
-                        tokens_total=sum(lengths[i] for i in mine), force=True)
+        progress.update(
+            samples=stats.samples,
+            tokens=stats.tokens,
+            samples_total=len(mine),
+            tokens_total=sum(lengths[i] for i in mine),
+            force=True,
+        )
     return done, stats
 
 
 def check_row(i: int, ids, lengths) -> None:
     if len(ids) != lengths[i]:
-        raise ValueError(f"dataset row {i}: seq_len {lengths[i]} but {len(ids)} input_ids; "
-                         "the prepared dataset is inconsistent: run prepare again")
+        raise ValueError(
+            f"dataset row {i}: seq_len {lengths[i]} but {len(ids)} input_ids; "
+            "the prepared dataset is inconsistent: run prepare again"
+        )
 
 
 def load_dataset(path: Path):
@@ -142,13 +151,16 @@ def load_dataset(path: Path):
     from datasets import load_from_disk
 
     if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no prepared dataset; run the prepare stage first "
-                                "(put \"prepare\" before \"extract\" in the pipeline)")
+        raise FileNotFoundError(
+            f'{path}: no prepared dataset; run the prepare stage first (put "prepare" before "extract" in the pipeline)'
+        )
     ds = load_from_disk(str(path))
     missing = [c for c in ("input_ids", "seq_len") if c not in ds.column_names]
     if missing:
-        raise ValueError(f"{path}: the dataset has no {missing[0]} column; it must come from the prepare "
-                         "stage (input_ids, loss_mask, seq_len)")
+        raise ValueError(
+            f"{path}: the dataset has no {missing[0]} column; it must come from the prepare "
+            "stage (input_ids, loss_mask, seq_len)"
+        )
     return ds
 
 

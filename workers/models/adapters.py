@@ -43,8 +43,8 @@ class AdapterMismatch(TypeError):
 
 # The methods an adapter may call on a decoder, per backend and purpose.
 API: dict[str, dict[str, str]] = {
-    "hf": {"embed": "get_input_embeddings"},     # returns the embedding module
-    "vllm": {"embed": "embed_input_ids"},        # takes input ids, returns embeddings
+    "hf": {"embed": "get_input_embeddings"},  # returns the embedding module
+    "vllm": {"embed": "embed_input_ids"},  # takes input ids, returns embeddings
 }
 
 # Every method name known to serve a purpose on some backend's classes, so that a mismatch can
@@ -82,17 +82,21 @@ def layer_problem(cls: type, backend: str) -> str | None:
             return _layer_mismatch(cls, name, backend)
         if backend == "hf" and index != 1:
             # _hf_stream takes a positional call's first argument as the stream.
-            return (f"{cls.__name__}.forward{_signature(cls.forward)} does not take 'hidden_states' first: the hf "
-                    "tap reads the stream entering a decoder layer as its first argument; this layer class is "
-                    "not laid out as the adapter expects (add its family to eyas/workers/models/adapters.py)")
+            return (
+                f"{cls.__name__}.forward{_signature(cls.forward)} does not take 'hidden_states' first: the hf "
+                "tap reads the stream entering a decoder layer as its first argument; this layer class is "
+                "not laid out as the adapter expects (add its family to eyas/workers/models/adapters.py)"
+            )
     return None
 
 
 def _layer_mismatch(cls: type, missing: str, backend: str) -> str:
     reads = "hidden_states + residual" if backend == "vllm" else "hidden_states"
-    return (f"{cls.__name__}.forward{_signature(cls.forward)} has no '{missing}' parameter: the {backend} tap "
-            f"reads the residual stream entering a decoder layer as {reads}; this layer class is not laid out "
-            "as the adapter expects (add its family to eyas/workers/models/adapters.py)")
+    return (
+        f"{cls.__name__}.forward{_signature(cls.forward)} has no '{missing}' parameter: the {backend} tap "
+        f"reads the residual stream entering a decoder layer as {reads}; this layer class is not laid out "
+        "as the adapter expects (add its family to eyas/workers/models/adapters.py)"
+    )
 
 
 def _resolve(model: Any, path: str) -> Any:
@@ -135,12 +139,12 @@ class Adapter:
             # Decoders iterate layers[:num_hidden_layers]; extra entries (e.g. MTP heads)
             # are not part of the residual stream the ids count.
             n = getattr(getattr(module, "config", None), "num_hidden_layers", None) or len(layers)
-            return Decoder(module=module, layers=layers, norm=norm, num_layers=min(n, len(layers)),
-                           path=path)
+            return Decoder(module=module, layers=layers, norm=norm, num_layers=min(n, len(layers)), path=path)
         where = ", ".join(f"{p}.{self.layers_attr}" if p else self.layers_attr for p in paths)
         raise UnknownArchitecture(
             f"{type(model).__name__}: no decoder layers found at {where} (adapter {self.family}); "
-            "the model's layout is not the one this adapter knows")
+            "the model's layout is not the one this adapter knows"
+        )
 
 
 @dataclass(frozen=True)
@@ -158,8 +162,10 @@ class Decoder:
         n = self.num_layers
         bad = [i for i in ids if not (isinstance(i, int) and 0 <= i <= n)]
         if bad:
-            raise ValueError(f"layer id {bad[0]} is out of range for a {n}-layer target: "
-                             f"use ids from 0 to {n} ({n} is the final pre-norm output)")
+            raise ValueError(
+                f"layer id {bad[0]} is out of range for a {n}-layer target: "
+                f"use ids from 0 to {n} ({n} is the final pre-norm output)"
+            )
         if len(set(ids)) != len(ids) or not ids:
             raise ValueError(f"layer ids {list(ids)}: list each id once, at least one")
         return ids
@@ -270,18 +276,28 @@ VLLM_TAP = StreamTap("vllm", _hf_stream, _vllm_binder)
 TAPS = {"hf": HF_TAP, "vllm": VLLM_TAP}
 
 ADAPTERS: tuple[Adapter, ...] = (
-    Adapter("llama", ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                      "Qwen3MoeForCausalLM"), ("model",)),
+    Adapter(
+        "llama",
+        ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        ("model",),
+    ),
     Adapter("deepseek_v3", ("DeepseekV3ForCausalLM",), ("model",)),
     # Multimodal wrappers run text-only here: the decoder is called directly, so no vision
     # tower runs. transformers 5.x puts the decoder at model.language_model; Kimi-K2.5's
     # remote code (and vLLM) at language_model.model; vLLM wrappers also answer
     # get_language_model(), tried last, on that backend only.
-    Adapter("multimodal", ("KimiK25ForConditionalGeneration", "LlavaForConditionalGeneration",
-                           "Mistral3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                           "Qwen3VLForConditionalGeneration"),
-            ("language_model.model", "model.language_model", "language_model"),
-            vllm_paths=("get_language_model().model",)),
+    Adapter(
+        "multimodal",
+        (
+            "KimiK25ForConditionalGeneration",
+            "LlavaForConditionalGeneration",
+            "Mistral3ForConditionalGeneration",
+            "Qwen2_5_VLForConditionalGeneration",
+            "Qwen3VLForConditionalGeneration",
+        ),
+        ("language_model.model", "model.language_model", "language_model"),
+        vllm_paths=("get_language_model().model",),
+    ),
 )
 
 _BY_ARCH = {arch: a for a in ADAPTERS for arch in a.architectures}
@@ -297,7 +313,8 @@ def adapter_for(architecture: str) -> Adapter:
     except KeyError:
         raise UnknownArchitecture(
             f"architecture {architecture!r} is not supported for extraction; known: "
-            f"{', '.join(known_architectures())} (add an adapter in eyas/workers/models/adapters.py)") from None
+            f"{', '.join(known_architectures())} (add an adapter in eyas/workers/models/adapters.py)"
+        ) from None
 
 
 def architecture_of(model_config: dict[str, Any]) -> str:
@@ -305,8 +322,9 @@ def architecture_of(model_config: dict[str, Any]) -> str:
     archs = model_config.get("architectures")
     if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
         raise UnknownArchitecture(
-            "config.json names no architectures; set \"architectures\": [\"<ClassName>\"], one of "
-            f"{', '.join(known_architectures())}")
+            'config.json names no architectures; set "architectures": ["<ClassName>"], one of '
+            f"{', '.join(known_architectures())}"
+        )
     return archs[0]
 
 

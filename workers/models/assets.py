@@ -64,7 +64,9 @@ def conversations(n: int = 300, seed: int = 0) -> list[dict]:
             turns.append({"from": "system", "value": "You are a helpful assistant. " + _sentence(rng)})
         for _ in range(rng.randint(1, 3)):
             turns.append({"from": "human", "value": _sentence(rng)})
-            reply = _count_reply(rng) if rng.random() < 0.4 else " ".join(_sentence(rng) for _ in range(rng.randint(1, 3)))
+            reply = (
+                _count_reply(rng) if rng.random() < 0.4 else " ".join(_sentence(rng) for _ in range(rng.randint(1, 3)))
+            )
             if rng.random() < 0.25:
                 reply = f"<think>{_sentence(rng)}</think>{reply}"
             turns.append({"from": "gpt", "value": reply})
@@ -76,13 +78,20 @@ def conversations(n: int = 300, seed: int = 0) -> list[dict]:
 # are not even JSON or UTF-8.
 MALFORMED_LINES: dict[str, bytes] = {
     "invalid_json": b'{"conversations": [{"from": "human", "value": "hi"}\n',
-    "unknown_role": json.dumps({"conversations": [{"from": "robot", "value": "beep"},
-                                                  {"from": "gpt", "value": "ok"}]}).encode() + b"\n",
-    "missing_role": json.dumps({"conversations": [{"value": "who am I"}, {"from": "gpt", "value": "ok"}]}).encode() + b"\n",
-    "empty_content": json.dumps({"conversations": [{"from": "human", "value": ""},
-                                                   {"from": "gpt", "value": "ok"}]}).encode() + b"\n",
-    "wrong_type": json.dumps({"conversations": [{"from": "human", "value": 42},
-                                                {"from": "gpt", "value": "ok"}]}).encode() + b"\n",
+    "unknown_role": json.dumps(
+        {"conversations": [{"from": "robot", "value": "beep"}, {"from": "gpt", "value": "ok"}]}
+    ).encode()
+    + b"\n",
+    "missing_role": json.dumps({"conversations": [{"value": "who am I"}, {"from": "gpt", "value": "ok"}]}).encode()
+    + b"\n",
+    "empty_content": json.dumps(
+        {"conversations": [{"from": "human", "value": ""}, {"from": "gpt", "value": "ok"}]}
+    ).encode()
+    + b"\n",
+    "wrong_type": json.dumps(
+        {"conversations": [{"from": "human", "value": 42}, {"from": "gpt", "value": "ok"}]}
+    ).encode()
+    + b"\n",
     "not_utf8": b'{"conversations": [{"from": "human", "value": "caf\xe9"}, {"from": "gpt", "value": "ok"}]}\n',
 }
 
@@ -107,12 +116,21 @@ def build_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 512):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     corpus = [t["value"] for c in conversations(400, seed) for t in c["conversations"]]
     tok.train_from_iterator(corpus, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|end|>",
-                                   pad_token="<|pad|>", additional_special_tokens=SPECIAL_TOKENS[3:])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|end|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=SPECIAL_TOKENS[3:],
+    )
     fast.chat_template = CHAT_TEMPLATE
     out_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(out_dir)
@@ -123,7 +141,7 @@ def build_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 512):
 class TinySpec:
     """The dimensions of a tiny target, small enough for CPU and accepted by vLLM's CPU build."""
 
-    family: str                 # "deepseek_v3" | "llama"
+    family: str  # "deepseek_v3" | "llama"
     hidden_size: int = 64
     num_hidden_layers: int = 8
     intermediate_size: int = 128
@@ -133,14 +151,32 @@ def _deepseek_config(spec: TinySpec, vocab: int, tokenizer):
     from transformers import DeepseekV3Config
 
     return DeepseekV3Config(
-        vocab_size=vocab, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        moe_intermediate_size=32, num_hidden_layers=spec.num_hidden_layers, num_attention_heads=2,
-        num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
-        n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.0,
-        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-        max_position_embeddings=2048, rope_scaling=None, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, num_nextn_predict_layers=0,
+        vocab_size=vocab,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        moe_intermediate_size=32,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.0,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        max_position_embeddings=2048,
+        rope_scaling=None,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        num_nextn_predict_layers=0,
     )
 
 
@@ -148,16 +184,24 @@ def _llama_config(spec: TinySpec, vocab: int, tokenizer):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=vocab, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.hidden_size // 64,
-        num_key_value_heads=spec.hidden_size // 64, head_dim=64, max_position_embeddings=2048,
-        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=vocab,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.hidden_size // 64,
+        num_key_value_heads=spec.hidden_size // 64,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
 
 
-def build_model(out_dir: Path, family: str = "deepseek_v3", seed: int = 0, spec: TinySpec | None = None,
-                dtype: str = "float32") -> Path:
+def build_model(
+    out_dir: Path, family: str = "deepseek_v3", seed: int = 0, spec: TinySpec | None = None, dtype: str = "float32"
+) -> Path:
     """Save a random-weight tiny target (weights, config.json, tokenizer) to `out_dir`."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -174,7 +218,7 @@ def build_model(out_dir: Path, family: str = "deepseek_v3", seed: int = 0, spec:
     return out_dir
 
 
-HEAD_NORM = 1.0     # the fitted head's mean row norm (see fit_to_chats)
+HEAD_NORM = 1.0  # the fitted head's mean row norm (see fit_to_chats)
 
 
 def fit_to_chats(model_dir: Path, steps: int, seed: int = 0, lr: float = 0.05) -> float:
@@ -197,7 +241,7 @@ def fit_to_chats(model_dir: Path, steps: int, seed: int = 0, lr: float = 0.05) -
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     features, targets = [], []
     with torch.no_grad():
-        for c in conversations(seed=seed):      # the chats write_dataset writes, as prepare reads them
+        for c in conversations(seed=seed):  # the chats write_dataset writes, as prepare reads them
             messages = normalize(c, "sharegpt", len(tokenizer)).messages
             ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
             hidden = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
@@ -252,13 +296,16 @@ def build_all(root: Path, seed: int = 0, fit_steps: int = 0) -> dict[str, Path]:
     import shutil
 
     root.mkdir(parents=True, exist_ok=True)
-    for scratch in root.glob(".*.partial"):       # an interrupted build's
+    for scratch in root.glob(".*.partial"):  # an interrupted build's
         if scratch.is_dir():
             shutil.rmtree(scratch, ignore_errors=True)
         else:
             scratch.unlink()
-    out = {"tiny-deepseek": root / "tiny-deepseek", "tiny-llama": root / "tiny-llama",
-           "chat.jsonl": root / "chat.jsonl"}
+    out = {
+        "tiny-deepseek": root / "tiny-deepseek",
+        "tiny-llama": root / "tiny-llama",
+        "chat.jsonl": root / "chat.jsonl",
+    }
     for name, family in (("tiny-deepseek", "deepseek_v3"), ("tiny-llama", "llama")):
         fit = fit_steps if family == "deepseek_v3" else 0
         how = {"family": family, "seed": seed, "fit_steps": fit, "head_norm": HEAD_NORM if fit else None}
@@ -287,11 +334,17 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m eyas.workers.models.assets", description=main.__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m eyas.workers.models.assets", description=main.__doc__.splitlines()[0]
+    )
     parser.add_argument("dir", type=Path, help="where to build (created if missing; existing assets are kept)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fit-steps", type=int, default=0,
-                        help="train the tiny DeepSeek target on the chats for this many steps (the demo's)")
+    parser.add_argument(
+        "--fit-steps",
+        type=int,
+        default=0,
+        help="train the tiny DeepSeek target on the chats for this many steps (the demo's)",
+    )
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 

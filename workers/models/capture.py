@@ -83,5 +83,6 @@ class LayerCapture:
     def _check(self) -> None:
         missing = [i for i in self.layer_ids if i not in self._seen]
         if missing:
-            raise RuntimeError(f"layer ids {missing} were not reached by the forward; "
-                               "the decoder did not run the tapped modules")
+            raise RuntimeError(
+                f"layer ids {missing} were not reached by the forward; the decoder did not run the tapped modules"
+            )

@@ -32,9 +32,9 @@ FOUND, UNKNOWN, ABSENT = "found", "unknown", "absent"
 
 @dataclass(frozen=True)
 class Found:
-    state: str                  # found | unknown | absent
+    state: str  # found | unknown | absent
     cls: type | None = None
-    how: str = ""               # how it was found, or why not
+    how: str = ""  # how it was found, or why not
 
     @property
     def ok(self) -> bool:
@@ -66,15 +66,19 @@ def _own(owner: type, name: str) -> Iterator[tuple[type, Callable]]:
             for cell in fn.__closure__ or ():
                 try:
                     inner = cell.cell_contents
-                except ValueError:      # an empty cell
+                except ValueError:  # an empty cell
                     continue
                 if inspect.isfunction(inner) and inner.__name__ == name:
                     yield klass, inspect.unwrap(inner)
 
 
 def _is_self_attr(node: ast.AST, attr: str | None = None) -> bool:
-    return (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
-            and (attr is None or node.attr == attr))
+    return (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+        and (attr is None or node.attr == attr)
+    )
 
 
 class ClassReader:
@@ -82,8 +86,12 @@ class ClassReader:
     nn.Module); `containers` are module classes that only hold others (ModuleList...);
     `resolve_archs` maps a list of architecture names to a class (a registry), or None."""
 
-    def __init__(self, module_base: type, containers: tuple[type, ...] = (),
-                 resolve_archs: Callable[[list[str]], type | None] | None = None):
+    def __init__(
+        self,
+        module_base: type,
+        containers: tuple[type, ...] = (),
+        resolve_archs: Callable[[list[str]], type | None] | None = None,
+    ):
         self.module_base = module_base
         self.containers = containers
         self.resolve_archs = resolve_archs
@@ -110,8 +118,12 @@ class ClassReader:
                         yield node.value, fn
             elif isinstance(node, ast.AnnAssign) and node.value is not None and _is_self_attr(node.target, attr):
                 yield node.value, fn
-            elif depth and isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) \
-                    and _is_self_attr(node.value.func):
+            elif (
+                depth
+                and isinstance(node, ast.Expr)
+                and isinstance(node.value, ast.Call)
+                and _is_self_attr(node.value.func)
+            ):
                 for _klass, helper in _own(owner, node.value.func.attr):
                     yield from self._assignments_in(owner, helper, attr, depth - 1)
                     break
@@ -162,8 +174,9 @@ class ClassReader:
         return Found(UNKNOWN, how=f"self.{attr} of {owner.__name__} is built by code this reader cannot follow")
 
     def _is_module(self, value: Any) -> bool:
-        return (isinstance(value, type) and issubclass(value, self.module_base)
-                and not issubclass(value, self.containers))
+        return (
+            isinstance(value, type) and issubclass(value, self.module_base) and not issubclass(value, self.containers)
+        )
 
     # -- expressions -------------------------------------------------------------------------
 
@@ -178,8 +191,11 @@ class ClassReader:
         archs = self._archs(node)
         if archs is not None and self.resolve_archs is not None:
             cls = self.resolve_archs(archs)
-            return Found(FOUND, cls, f"registry: {archs[0]}") if cls is not None else \
-                Found(UNKNOWN, how=f"no class registered for {archs}")
+            return (
+                Found(FOUND, cls, f"registry: {archs[0]}")
+                if cls is not None
+                else Found(UNKNOWN, how=f"no class registered for {archs}")
+            )
         callee = self._callee(node.func, fn, owner)
         if isinstance(callee, type):
             return Found(FOUND, callee, ast.unparse(node.func))

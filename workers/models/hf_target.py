@@ -40,9 +40,11 @@ def _model_class(arch: str, trust_remote_code: bool, path: str):
     if cls is not None:
         return cls
     if not trust_remote_code:
-        raise ValueError(f"{path}: architecture {arch} is not built into transformers "
-                         f"{transformers.__version__}; set target.trust_remote_code = true to run the "
-                         "model's own code")
+        raise ValueError(
+            f"{path}: architecture {arch} is not built into transformers "
+            f"{transformers.__version__}; set target.trust_remote_code = true to run the "
+            "model's own code"
+        )
     return _RemoteCode(arch)
 
 
@@ -57,8 +59,11 @@ class _RemoteCode:
         import transformers
 
         errors = []
-        for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText,
-                     transformers.AutoModel):
+        for auto in (
+            transformers.AutoModelForCausalLM,
+            transformers.AutoModelForImageTextToText,
+            transformers.AutoModel,
+        ):
             try:
                 return auto.from_pretrained(path, **kwargs)
             except ValueError as exc:  # "Unrecognized configuration class ... for this kind of AutoModel"
@@ -80,6 +85,13 @@ def load(path: str, dtype: str, trust_remote_code: bool = False, device: str = "
     model = cls.from_pretrained(path, **kwargs)
     model.eval()
     decoder = adapter.decoder(model)
-    log.info("loaded %s (%s adapter, decoder at %s, %d layers) in %s on %s", arch, adapter.family,
-             decoder.path or "<top>", decoder.num_layers, dtype, device)
+    log.info(
+        "loaded %s (%s adapter, decoder at %s, %d layers) in %s on %s",
+        arch,
+        adapter.family,
+        decoder.path or "<top>",
+        decoder.num_layers,
+        dtype,
+        device,
+    )
     return Target(model, arch, adapter, decoder, model_cfg.get("model_type"))

@@ -29,9 +29,10 @@ LIBRARY_TEMP_RANDOM = 6
 def is_library_temp(name: str) -> bool:
     """Whether `name` is a temp file a library (safetensors) names itself: ".tmpAbC123".
     None of eyas's own names look so: `atomic_path`'s end in ".tmp", temp dirs have a "-"."""
-    rest = name[len(LIBRARY_TEMP_PREFIX):]
-    return (name.startswith(LIBRARY_TEMP_PREFIX) and len(rest) == LIBRARY_TEMP_RANDOM
-            and rest.isascii() and rest.isalnum())
+    rest = name[len(LIBRARY_TEMP_PREFIX) :]
+    return (
+        name.startswith(LIBRARY_TEMP_PREFIX) and len(rest) == LIBRARY_TEMP_RANDOM and rest.isascii() and rest.isalnum()
+    )
 
 
 def _temp_name(path: Path) -> Path:
@@ -84,7 +85,7 @@ def write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
         try:
             view = memoryview(data)
             while view:  # os.write may write less than asked
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
 

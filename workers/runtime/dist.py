@@ -33,8 +33,9 @@ class Dist:
     shares of work may keep one rank waiting for long, hence the long defaults.
     """
 
-    def __init__(self, ctx, device: str = "cpu", *, backend: str | None = None,
-                 timeout: timedelta = timedelta(hours=2)):
+    def __init__(
+        self, ctx, device: str = "cpu", *, backend: str | None = None, timeout: timedelta = timedelta(hours=2)
+    ):
         self.active = False
         self._models: list[weakref.ref] = []
         if ctx.world_size > 1:
@@ -48,9 +49,13 @@ class Dist:
 
             backend = backend or ("nccl" if device == "cuda" else "gloo")
             dist.init_process_group(
-                backend, init_method=f"tcp://{ctx.master_addr}:{ctx.master_port}", rank=ctx.rank,
-                world_size=ctx.world_size, timeout=timeout,
-                **({"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}))
+                backend,
+                init_method=f"tcp://{ctx.master_addr}:{ctx.master_port}",
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                timeout=timeout,
+                **({"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}),
+            )
             self.active = True
 
     def track(self, model: Any) -> Any:
@@ -105,15 +110,18 @@ class Dist:
         finally:
             if release is not None:
                 release()
-            gc.collect()    # DDP and FSDP modules sit in reference cycles: freed only by a collection
+            gc.collect()  # DDP and FSDP modules sit in reference cycles: freed only by a collection
             alive = sum(1 for ref in self._models if ref() is not None)
             if alive:
-                log.warning("%d wrapped model(s) still referenced at teardown: the process group may be "
-                            "freed later with the GIL held, which can deadlock", alive)
-            group = dist.group.WORLD    # step 4's reference, held across step 3
+                log.warning(
+                    "%d wrapped model(s) still referenced at teardown: the process group may be "
+                    "freed later with the GIL held, which can deadlock",
+                    alive,
+                )
+            group = dist.group.WORLD  # step 4's reference, held across step 3
             dist.destroy_process_group()
             self.active = False
-            del group                   # the GIL is released while the group's destructor runs
+            del group  # the GIL is released while the group's destructor runs
 
 
 def gloo_threads() -> int:
@@ -124,5 +132,5 @@ def gloo_threads() -> int:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 count += f.read().strip() == GLOO_THREAD
         except OSError:
-            pass    # the thread ended while we looked
+            pass  # the thread ended while we looked
     return count

@@ -93,7 +93,6 @@ class _Forwarder:
 CHECK_S = 0.5
 
 
-
 class LogBound(threading.Thread):
     """Cuts the rank's log (state/logcut.py) whenever it passes the bound.
 
@@ -132,8 +131,11 @@ def main() -> int:
     raw = os.environ.get(contract.RANK) or "0"
     rank = int(raw) if raw.isdigit() else 0
     if not os.environ.get(contract.ATTEMPT_DIR):
-        print(f"eyas: {contract.ATTEMPT_DIR} is not set: the rank monitor runs under the daemon, "
-              "which sets it to the attempt's directory", file=sys.stderr)
+        print(
+            f"eyas: {contract.ATTEMPT_DIR} is not set: the rank monitor runs under the daemon, "
+            "which sets it to the attempt's directory",
+            file=sys.stderr,
+        )
         return 2
     attempt_dir = Path(os.environ[contract.ATTEMPT_DIR])
 
@@ -145,14 +147,17 @@ def main() -> int:
     for sig in FORWARDED:
         signal.signal(sig, forwarder)
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "eyas.workers.runtime.rank"],
-                                stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen([sys.executable, "-m", "eyas.workers.runtime.rank"], stdin=subprocess.DEVNULL)
     except OSError as exc:
         # Rare (a broken interpreter path): record it like any rank error, so it is not silent.
         from eyas.workers.runtime import rank as runtime
 
-        record = runtime.error_record(exc, rank=rank, stage=os.environ.get(contract.STAGE),
-                                      attempt=runtime.int_or_none(os.environ.get(contract.ATTEMPT)))
+        record = runtime.error_record(
+            exc,
+            rank=rank,
+            stage=os.environ.get(contract.STAGE),
+            attempt=runtime.int_or_none(os.environ.get(contract.ATTEMPT)),
+        )
         runtime.write_error(file(contract.ERROR), record)
         print(f"eyas: rank {rank}: could not start the rank runtime: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -163,12 +168,15 @@ def main() -> int:
         mb = 0.0
     LogBound(file(contract.LOG), os.environ.get(contract.STAGE), mb).start()
     try:
-        atomic.write_json(file(contract.PROC), {
-            "monitor_pid": os.getpid(),
-            "monitor_create_time": psutil.Process().create_time(),
-            "pid": proc.pid,
-            "create_time": psutil.Process(proc.pid).create_time(),
-        })
+        atomic.write_json(
+            file(contract.PROC),
+            {
+                "monitor_pid": os.getpid(),
+                "monitor_create_time": psutil.Process().create_time(),
+                "pid": proc.pid,
+                "create_time": psutil.Process(proc.pid).create_time(),
+            },
+        )
     except (OSError, psutil.Error) as exc:
         # Keep supervising: the exit file is still worth having.
         print(f"eyas: rank {rank}: could not write {file(contract.PROC).name}: {exc}", file=sys.stderr, flush=True)

@@ -42,13 +42,23 @@ class ProgressWriter:
         # Heartbeats come from a thread of their own (beating); the descriptor is shared.
         self._lock = threading.Lock()
 
-    def update(self, samples: int | None = None, tokens: int | None = None,
-               samples_total: int | None = None, tokens_total: int | None = None,
-               force: bool = False, **metrics: Any) -> bool:
+    def update(
+        self,
+        samples: int | None = None,
+        tokens: int | None = None,
+        samples_total: int | None = None,
+        tokens_total: int | None = None,
+        force: bool = False,
+        **metrics: Any,
+    ) -> bool:
         """Record cumulative counts and metrics; return True when a line was written."""
         totals_changed = False
-        for key, value in (("samples", samples), ("tokens", tokens),
-                           ("samples_total", samples_total), ("tokens_total", tokens_total)):
+        for key, value in (
+            ("samples", samples),
+            ("tokens", tokens),
+            ("samples_total", samples_total),
+            ("tokens_total", tokens_total),
+        ):
             if value is None:
                 continue
             if key.endswith("_total") and value != self._counts[key]:

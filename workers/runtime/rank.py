@@ -136,8 +136,7 @@ def type_name(exc: BaseException) -> str:
     return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
 
-def error_record(exc: BaseException, *, rank: int | None, stage: str | None,
-                 attempt: int | None) -> dict[str, Any]:
+def error_record(exc: BaseException, *, rank: int | None, stage: str | None, attempt: int | None) -> dict[str, Any]:
     """The rank-<r>.error.json record of an uncaught exception."""
     if isinstance(exc, SystemExit):
         code = exc.code
@@ -165,8 +164,11 @@ def write_error(path: Path, record: dict[str, Any]) -> None:
         atomic.write_json(path, record)
     except BaseException as exc:  # noqa: BLE001 - reporting must never raise
         try:
-            print(f"eyas: could not write {path}: {exc!r}; the error was {record['type']}: "
-                  f"{record['message']}", file=sys.stderr, flush=True)
+            print(
+                f"eyas: could not write {path}: {exc!r}; the error was {record['type']}: {record['message']}",
+                file=sys.stderr,
+                flush=True,
+            )
         except BaseException:  # noqa: BLE001
             pass
 
@@ -197,8 +199,9 @@ def main(env: dict[str, str] | None = None) -> int:
         if ctx is not None:  # its defaults (attempt 1...) say what really ran
             record = error_record(exc, rank=ctx.rank, stage=ctx.stage, attempt=ctx.attempt)
         else:
-            record = error_record(exc, rank=rank, stage=environ.get(contract.STAGE),
-                                  attempt=int_or_none(environ.get(contract.ATTEMPT)))
+            record = error_record(
+                exc, rank=rank, stage=environ.get(contract.STAGE), attempt=int_or_none(environ.get(contract.ATTEMPT))
+            )
         if attempt_dir:
             write_error(rank_file(environ, contract.ERROR), record)
         # Only after the file exists: whoever reads the log's traceback finds the record too.
@@ -246,13 +249,14 @@ def exit_rank(code: int) -> None:
         except OSError as exc:
             print(f"eyas: could not write {path}: {exc}", file=sys.stderr, flush=True)
     finalize = environ.get(contract.RANK_FINALIZE) == "1"
-    log.info("rank done: exit code %d%s", code,
-             "; finalising the interpreter (EYAS_RANK_FINALIZE=1)" if finalize else "")
-    logging.shutdown()      # flushes every handler (the stages log through the root logger's)
+    log.info(
+        "rank done: exit code %d%s", code, "; finalising the interpreter (EYAS_RANK_FINALIZE=1)" if finalize else ""
+    )
+    logging.shutdown()  # flushes every handler (the stages log through the root logger's)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):   # closed or broken: nothing left to save there
+        except (OSError, ValueError):  # closed or broken: nothing left to save there
             pass
     if finalize:
         sys.exit(code)

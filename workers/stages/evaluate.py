@@ -72,7 +72,7 @@ class Settings:
     draft_vocab: int
     num_layers: int
     ttt_steps: int
-    out: Path                   # the run's output dir
+    out: Path  # the run's output dir
     engine_options: dict[str, Any]
 
 
@@ -84,14 +84,23 @@ def settings(ctx) -> Settings:
         raise ValueError("evaluate needs [target] in the run's config (the model the draft speeds up); add it")
     ev = cfg.evaluate
     return Settings(
-        target=cfg.target.path, dtype=cfg.target.dtype, trust_remote_code=cfg.target.trust_remote_code,
-        k=ev.num_speculative_tokens, max_tokens=ev.max_tokens, max_prompts=ev.max_prompts,
-        prompts_file=ev.prompts, batch_size=ev.batch_size,
-        tp=ev.tensor_parallel_size or cfg.extract.tensor_parallel_size, seed=cfg.train.seed,
-        draft_vocab=cfg.draft.vocab_size, num_layers=cfg.draft.num_layers, ttt_steps=cfg.draft.ttt_steps,
+        target=cfg.target.path,
+        dtype=cfg.target.dtype,
+        trust_remote_code=cfg.target.trust_remote_code,
+        k=ev.num_speculative_tokens,
+        max_tokens=ev.max_tokens,
+        max_prompts=ev.max_prompts,
+        prompts_file=ev.prompts,
+        batch_size=ev.batch_size,
+        tp=ev.tensor_parallel_size or cfg.extract.tensor_parallel_size,
+        seed=cfg.train.seed,
+        draft_vocab=cfg.draft.vocab_size,
+        num_layers=cfg.draft.num_layers,
+        ttt_steps=cfg.draft.ttt_steps,
         out=ctx.output_dir,
         # Checked when the run was submitted (state/specs.py: EvaluateOptions).
-        engine_options=dict(stage_options("evaluate", ctx.options).vllm))
+        engine_options=dict(stage_options("evaluate", ctx.options).vllm),
+    )
 
 
 def engine_env(s: Settings, cpu_build: bool) -> dict[str, str]:
@@ -102,12 +111,14 @@ def engine_env(s: Settings, cpu_build: bool) -> dict[str, str]:
     if not cpu_build:
         visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
         if visible and len(visible) < s.tp:
-            raise ValueError(f"evaluate.tensor_parallel_size: {s.tp} needs {s.tp} GPUs, but this rank sees "
-                             f"{len(visible)} (CUDA_VISIBLE_DEVICES={','.join(visible)}); list {s.tp} devices in "
-                             "resources.devices or lower evaluate.tensor_parallel_size")
+            raise ValueError(
+                f"evaluate.tensor_parallel_size: {s.tp} needs {s.tp} GPUs, but this rank sees "
+                f"{len(visible)} (CUDA_VISIBLE_DEVICES={','.join(visible)}); list {s.tp} devices in "
+                "resources.devices or lower evaluate.tensor_parallel_size"
+            )
         return speculative_env(s.target, on_gpu=True)
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", **in_process_engine_env(on_gpu=False), **cpu_env(s.tp)}
-    env = {key: os.environ.get(key) or value for key, value in env.items()}     # the user's settings win
+    env = {key: os.environ.get(key) or value for key, value in env.items()}  # the user's settings win
     env.update(speculative_env(s.target, on_gpu=False))
     return env
 
@@ -118,8 +129,9 @@ def load_prompts(s: Settings) -> tuple[list[list[int]], list[int] | None, str]:
     from eyas.workers.evaluate import prompts as eval_prompts
 
     if s.prompts_file:
-        prompts = eval_prompts.from_file(Path(s.prompts_file), s.target, s.trust_remote_code,
-                                         target_vocab_size(s.target), s.max_prompts)
+        prompts = eval_prompts.from_file(
+            Path(s.prompts_file), s.target, s.trust_remote_code, target_vocab_size(s.target), s.max_prompts
+        )
         return prompts, None, s.prompts_file
     prompts, rows = eval_prompts.from_validation(s.out / "prepare", s.max_prompts)
     return prompts, rows, "validation split"
@@ -138,27 +150,58 @@ def main(ctx) -> None:
     trained = eval_drafts.trained_draft(s.out / "train")
     prompts, rows, source = load_prompts(s)
     n = len(prompts)
-    log.info("evaluate: %d prompts from the %s (%d tokens at most, %d new tokens each), k = %d, vLLM %s (%s, "
-             "tensor_parallel_size %d); trained draft %s", n, source, max(len(p) for p in prompts), s.max_tokens,
-             s.k, version, "CPU build" if cpu_build else "GPU", s.tp, trained)
+    log.info(
+        "evaluate: %d prompts from the %s (%d tokens at most, %d new tokens each), k = %d, vLLM %s (%s, "
+        "tensor_parallel_size %d); trained draft %s",
+        n,
+        source,
+        max(len(p) for p in prompts),
+        s.max_tokens,
+        s.k,
+        version,
+        "CPU build" if cpu_build else "GPU",
+        s.tp,
+        trained,
+    )
     progress = ctx.progress
     # Samples (prompts measured) only, no tokens: the daemon's tok/s of a stage is its tokens over
     # wall time, which here would mostly be engine start-up; the stage's own tok/s figures
     # (target_tok_s, draft_tok_s, baseline_tok_s) are the timed runs'.
     progress.update(samples=0, samples_total=3 * n, force=True)
     baseline = eval_drafts.build_baseline(
-        trained, stage_dir / BASELINE_DIR, target_path=s.target, extract_dir=s.out / "extract",
-        vocab_dir=s.out / "vocab", draft_vocab=s.draft_vocab, num_layers=s.num_layers, ttt_steps=s.ttt_steps,
-        seed=s.seed, trust_remote_code=s.trust_remote_code)
+        trained,
+        stage_dir / BASELINE_DIR,
+        target_path=s.target,
+        extract_dir=s.out / "extract",
+        vocab_dir=s.out / "vocab",
+        draft_vocab=s.draft_vocab,
+        num_layers=s.num_layers,
+        ttt_steps=s.ttt_steps,
+        seed=s.seed,
+        trust_remote_code=s.trust_remote_code,
+    )
 
     from eyas.state.runconfig import read_model_config
 
     cpu_mla = cpu_build and is_mla(read_model_config(s.target))
-    specs = [Spec(label=label, target=s.target, draft=str(draft) if draft else None, num_speculative_tokens=s.k,
-                  dtype=s.dtype, tensor_parallel_size=s.tp, trust_remote_code=s.trust_remote_code,
-                  prompts=prompts, max_tokens=s.max_tokens, max_num_seqs=min(s.batch_size, n),
-                  enforce_eager=cpu_build, cpu_mla=cpu_mla, engine_options=s.engine_options)
-             for label, draft in (("target", None), ("trained", trained), ("baseline", baseline))]
+    specs = [
+        Spec(
+            label=label,
+            target=s.target,
+            draft=str(draft) if draft else None,
+            num_speculative_tokens=s.k,
+            dtype=s.dtype,
+            tensor_parallel_size=s.tp,
+            trust_remote_code=s.trust_remote_code,
+            prompts=prompts,
+            max_tokens=s.max_tokens,
+            max_num_seqs=min(s.batch_size, n),
+            enforce_eager=cpu_build,
+            cpu_mla=cpu_mla,
+            engine_options=s.engine_options,
+        )
+        for label, draft in (("target", None), ("trained", trained), ("baseline", baseline))
+    ]
     done = {"samples": 0}
 
     def measured(label: str, res: dict) -> None:
@@ -168,23 +211,45 @@ def main(ctx) -> None:
 
     # On the CPU build the three engines load at once (start-up dominates a tiny model's
     # measurement); on GPUs one at a time, since each takes most of the GPUs' memory.
-    results = measure_all(specs, ctx.attempt_dir / "vllm", env, loads_at_once=3 if cpu_build else 1,
-                          on_result=measured, progress=progress)
+    results = measure_all(
+        specs, ctx.attempt_dir / "vllm", env, loads_at_once=3 if cpu_build else 1, on_result=measured, progress=progress
+    )
 
     summary, failures = report(results, s, rows, source, trained, baseline, version, cpu_build)
-    progress.update(force=True, speedup=summary["speedup"], mismatched_prompts=summary["mismatched_prompts"],
-                    lossless=1.0 if summary["lossless"] else 0.0)
-    atomic.write_json(stage_dir / RESULTS, {**summary, "prompt_token_ids": prompts, "rows": rows,
-                                            "outputs_by_engine": {k: v["token_ids"] for k, v in results.items()}})
+    progress.update(
+        force=True,
+        speedup=summary["speedup"],
+        mismatched_prompts=summary["mismatched_prompts"],
+        lossless=1.0 if summary["lossless"] else 0.0,
+    )
+    atomic.write_json(
+        stage_dir / RESULTS,
+        {
+            **summary,
+            "prompt_token_ids": prompts,
+            "rows": rows,
+            "outputs_by_engine": {k: v["token_ids"] for k, v in results.items()},
+        },
+    )
     atomic.write_json(ctx.attempt_dir / contract.SUMMARY, summary)
-    log.info("evaluate: acceptance length %.3f with the trained draft, %.3f with the untrained baseline "
-             "(per position %s vs %s); %.1f tok/s with the draft, %.1f without (x%.2f); lossless: %s",
-             summary["acceptance_length"], summary["baseline_acceptance_length"],
-             _rates(summary["per_position"]), _rates(summary["baseline_per_position"]), summary["draft_tok_s"],
-             summary["target_tok_s"], summary["speedup"], "yes" if summary["lossless"] else "NO")
+    log.info(
+        "evaluate: acceptance length %.3f with the trained draft, %.3f with the untrained baseline "
+        "(per position %s vs %s); %.1f tok/s with the draft, %.1f without (x%.2f); lossless: %s",
+        summary["acceptance_length"],
+        summary["baseline_acceptance_length"],
+        _rates(summary["per_position"]),
+        _rates(summary["baseline_per_position"]),
+        summary["draft_tok_s"],
+        summary["target_tok_s"],
+        summary["speedup"],
+        "yes" if summary["lossless"] else "NO",
+    )
     if failures:
-        raise LosslessError("speculative decoding changed the target's greedy output: " + "; ".join(failures)
-                            + f" (every output is in {stage_dir / RESULTS})")
+        raise LosslessError(
+            "speculative decoding changed the target's greedy output: "
+            + "; ".join(failures)
+            + f" (every output is in {stage_dir / RESULTS})"
+        )
 
 
 def _rates(values: list[float]) -> str:
@@ -197,14 +262,25 @@ def _metrics(label: str, res: dict) -> dict[str, float]:
         return {"target_tok_s": res["tok_s"]}
     acc = eval_report.acceptance(res["counters"])
     prefix = "" if label == "trained" else f"{label}_"
-    out = {f"{prefix}accept_len": acc["acceptance_length"], f"{prefix}accept_rate": acc["acceptance_rate"],
-           ("draft_tok_s" if label == "trained" else f"{label}_tok_s"): res["tok_s"]}
+    out = {
+        f"{prefix}accept_len": acc["acceptance_length"],
+        f"{prefix}accept_rate": acc["acceptance_rate"],
+        ("draft_tok_s" if label == "trained" else f"{label}_tok_s"): res["tok_s"],
+    }
     out.update({f"{prefix}accept_pos_{i}": r for i, r in enumerate(acc["per_position"])})
     return out
 
 
-def report(results: dict[str, dict], s: Settings, rows, source: str, trained: Path, baseline: Path,
-           version: str, cpu_build: bool) -> tuple[dict[str, Any], list[str]]:
+def report(
+    results: dict[str, dict],
+    s: Settings,
+    rows,
+    source: str,
+    trained: Path,
+    baseline: Path,
+    version: str,
+    cpu_build: bool,
+) -> tuple[dict[str, Any], list[str]]:
     """(summary, lossless failure lines) of the three measurements."""
     ref = results["target"]["token_ids"]
     per: dict[str, dict] = {}
@@ -213,27 +289,50 @@ def report(results: dict[str, dict], s: Settings, rows, source: str, trained: Pa
         res = results[label]
         acc = eval_report.acceptance(res["counters"])
         diff = eval_report.compare(ref, res["token_ids"], rows)
-        per[label] = {**acc, "tok_s": res["tok_s"], "tokens": res["tokens"], "seconds": res["seconds"],
-                      "load_seconds": res["load_seconds"], **diff}
+        per[label] = {
+            **acc,
+            "tok_s": res["tok_s"],
+            "tokens": res["tokens"],
+            "seconds": res["seconds"],
+            "load_seconds": res["load_seconds"],
+            **diff,
+        }
         if diff["mismatched_prompts"]:
             failures.append(eval_report.mismatch_text(f"{label} draft", diff))
     tr, base, tgt = per["trained"], per["baseline"], results["target"]
     summary = {
         "outputs": [str(s.out / "evaluate" / RESULTS), str(baseline)],
-        "draft": str(trained), "baseline_draft": str(baseline),
-        "num_speculative_tokens": s.k, "prompts": len(ref), "prompt_source": source, "max_tokens": s.max_tokens,
-        "batch_size": min(s.batch_size, len(ref)), "tensor_parallel_size": s.tp, "dtype": s.dtype,
-        "device": "cpu" if cpu_build else "cuda", "vllm_version": version,
+        "draft": str(trained),
+        "baseline_draft": str(baseline),
+        "num_speculative_tokens": s.k,
+        "prompts": len(ref),
+        "prompt_source": source,
+        "max_tokens": s.max_tokens,
+        "batch_size": min(s.batch_size, len(ref)),
+        "tensor_parallel_size": s.tp,
+        "dtype": s.dtype,
+        "device": "cpu" if cpu_build else "cuda",
+        "vllm_version": version,
         # The headline figures, flat (`eyas runs`, `eyas show`, the TUI and the demo read these).
-        "acceptance_length": tr["acceptance_length"], "acceptance_rate": tr["acceptance_rate"],
+        "acceptance_length": tr["acceptance_length"],
+        "acceptance_rate": tr["acceptance_rate"],
         "per_position": tr["per_position"],
-        "baseline_acceptance_length": base["acceptance_length"], "baseline_acceptance_rate": base["acceptance_rate"],
+        "baseline_acceptance_length": base["acceptance_length"],
+        "baseline_acceptance_rate": base["acceptance_rate"],
         "baseline_per_position": base["per_position"],
-        "target_tok_s": tgt["tok_s"], "draft_tok_s": tr["tok_s"], "baseline_tok_s": base["tok_s"],
+        "target_tok_s": tgt["tok_s"],
+        "draft_tok_s": tr["tok_s"],
+        "baseline_tok_s": base["tok_s"],
         "speedup": tr["tok_s"] / tgt["tok_s"] if tgt["tok_s"] else None,
-        "lossless": not failures, "mismatched_prompts": tr["mismatched_prompts"] + base["mismatched_prompts"],
-        "target": {"tok_s": tgt["tok_s"], "tokens": tgt["tokens"], "seconds": tgt["seconds"],
-                   "load_seconds": tgt["load_seconds"]},
-        "trained": tr, "baseline": base,
+        "lossless": not failures,
+        "mismatched_prompts": tr["mismatched_prompts"] + base["mismatched_prompts"],
+        "target": {
+            "tok_s": tgt["tok_s"],
+            "tokens": tgt["tokens"],
+            "seconds": tgt["seconds"],
+            "load_seconds": tgt["load_seconds"],
+        },
+        "trained": tr,
+        "baseline": base,
     }
     return summary, failures

@@ -27,8 +27,9 @@ class PreflightFailed(RuntimeError):
 def main(ctx) -> None:
     cfg = RunConfig.from_dict(ctx.config)
     if cfg.target is None:
-        raise PreflightFailed("preflight needs [target] in the run's config; add it, or remove preflight "
-                              "from the pipeline")
+        raise PreflightFailed(
+            "preflight needs [target] in the run's config; add it, or remove preflight from the pipeline"
+        )
     output_dir = str(ctx.output_dir) if ctx.output_dir is not None else (cfg.output_dir or ".")
     checks = run_checks(cfg, output_dir)
     for line in doctor_check.table(checks):

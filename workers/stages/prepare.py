@@ -57,8 +57,8 @@ from eyas.workers.runtime import atomic
 log = logging.getLogger("eyas.prepare")
 
 TMP_PREFIX = ".prepare-tmp-"
-EXAMPLES_PER_REASON = 3     # skipped rows logged in full per reason; the rest are only counted
-BATCH_ROWS = 1024           # rows per arrow record batch
+EXAMPLES_PER_REASON = 3  # skipped rows logged in full per reason; the rest are only counted
+BATCH_ROWS = 1024  # rows per arrow record batch
 
 
 def main(ctx) -> None:
@@ -74,7 +74,7 @@ def main(ctx) -> None:
     try:
         summary, freq, splits = build(cfg, tmp / "dataset", ctx.progress)
         summary["outputs"] = [str(stage_dir / name) for name in ("dataset", "token_freq.npy", "splits.json")]
-        with ctx.progress.beating("publish dataset"):     # fsyncs every file: minutes on a big one
+        with ctx.progress.beating("publish dataset"):  # fsyncs every file: minutes on a big one
             publish(stage_dir, tmp, freq, splits, summary)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -112,11 +112,15 @@ class _Rows:
         self.freq += np.bincount(ids[masks == 1], minlength=len(self.freq))
         lengths = np.fromiter((len(a) for a in self._ids), dtype=np.int64, count=len(self._ids))
         offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-        self.batches.append(pa.record_batch({
-            "input_ids": pa.ListArray.from_arrays(offsets, pa.array(ids.astype(np.int32))),
-            "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(masks)),
-            "seq_len": pa.array(lengths),
-        }))
+        self.batches.append(
+            pa.record_batch(
+                {
+                    "input_ids": pa.ListArray.from_arrays(offsets, pa.array(ids.astype(np.int32))),
+                    "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(masks)),
+                    "seq_len": pa.array(lengths),
+                }
+            )
+        )
         self._ids, self._masks = [], []
 
     def save(self, path: Path) -> None:
@@ -126,13 +130,15 @@ class _Rows:
 
         self.flush()
         datasets.disable_progress_bars()  # a bar per save would flood the rank log
-        features = datasets.Features({
-            # datasets stores input_ids as int32 (its optimized int type for that name), which
-            # is what speculators' prepare-data ends up writing; the torch format reads int64.
-            "input_ids": datasets.List(datasets.Value("int32")),
-            "loss_mask": datasets.List(datasets.Value("int64")),
-            "seq_len": datasets.Value("int64"),
-        })
+        features = datasets.Features(
+            {
+                # datasets stores input_ids as int32 (its optimized int type for that name), which
+                # is what speculators' prepare-data ends up writing; the torch format reads int64.
+                "input_ids": datasets.List(datasets.Value("int32")),
+                "loss_mask": datasets.List(datasets.Value("int64")),
+                "seq_len": datasets.Value("int64"),
+            }
+        )
         table = self.pa.Table.from_batches(self.batches, schema=features.arrow_schema)
         ds = datasets.Dataset(InMemoryTable(table), info=datasets.DatasetInfo(features=features))
         ds.set_format(type="torch")
@@ -170,10 +176,18 @@ def build(cfg: RunConfig, dataset_dir: Path, progress=None) -> tuple[dict[str, A
     files = data_files(data.path)
     # Rows over this many bytes are skipped unread (too_long): see data/reader.py: row_byte_limit.
     row_bytes = row_byte_limit(data.max_length)
-    with _beating(progress, "count rows"):      # a pass over the whole file: silent on a big one
+    with _beating(progress, "count rows"):  # a pass over the whole file: silent on a big one
         total = count_rows(files, row_bytes)
-    log.info("prepare: %d rows in %d file(s) under %s; max_length %d (rows over %d bytes skipped), format %s, "
-             "limit %s", total, len(files), data.path, data.max_length, row_bytes, data.format, data.limit or "none")
+    log.info(
+        "prepare: %d rows in %d file(s) under %s; max_length %d (rows over %d bytes skipped), format %s, limit %s",
+        total,
+        len(files),
+        data.path,
+        data.max_length,
+        row_bytes,
+        data.format,
+        data.limit or "none",
+    )
     if progress:
         progress.update(samples=0, tokens=0, samples_total=total, force=True)
 
@@ -181,8 +195,12 @@ def build(cfg: RunConfig, dataset_dir: Path, progress=None) -> tuple[dict[str, A
     def renderer() -> MaskedRenderer:
         # Loaded at the first chat row: pre-tokenized data needs no tokenizer at all.
         r = MaskedRenderer(load_tokenizer(target.path, target.trust_remote_code), where=target.path)
-        log.info("assistant mask: %s", "the template's {% generation %} blocks" if r.method == "generation"
-                 else "rendered prefixes (no {% generation %} in the template, or a slow tokenizer)")
+        log.info(
+            "assistant mask: %s",
+            "the template's {% generation %} blocks"
+            if r.method == "generation"
+            else "rendered prefixes (no {% generation %} in the template, or a slow tokenizer)",
+        )
         return r
 
     rows, skips, methods = _Rows(vocab), _Skips(), Counter()
@@ -204,31 +222,55 @@ def build(cfg: RunConfig, dataset_dir: Path, progress=None) -> tuple[dict[str, A
             progress.update(samples=rows_in, tokens=rows.tokens)
 
     if rows.rows == 0:
-        raise ValueError(f"data.path: no usable rows in {data.path} ({rows_in} read, skipped: "
-                         f"{skips.as_dict() or 'none'}); fix the data or its format (see the log for examples)")
+        raise ValueError(
+            f"data.path: no usable rows in {data.path} ({rows_in} read, skipped: "
+            f"{skips.as_dict() or 'none'}); fix the data or its format (see the log for examples)"
+        )
     with _beating(progress, "save dataset"):
         rows.save(dataset_dir)
     validation = validation_rows(rows.rows, data.validation_fraction, cfg.train.seed)
-    splits = {"rows": rows.rows, "validation_fraction": data.validation_fraction, "seed": cfg.train.seed,
-              "validation": validation}
+    splits = {
+        "rows": rows.rows,
+        "validation_fraction": data.validation_fraction,
+        "seed": cfg.train.seed,
+        "validation": validation,
+    }
     summary = {
-        "rows_in": rows_in, "rows_out": rows.rows, "skipped": skips.as_dict(),
-        "skipped_total": sum(skips.counts.values()), "truncated": truncated,
-        "tokens": rows.tokens, "trainable_tokens": rows.trainable,
-        "validation_rows": len(validation), "mask_method": dict(methods),
-        "max_length": data.max_length, "row_byte_limit": row_bytes, "target_vocab_size": vocab, "data_path": data.path, "data_files": len(files),
+        "rows_in": rows_in,
+        "rows_out": rows.rows,
+        "skipped": skips.as_dict(),
+        "skipped_total": sum(skips.counts.values()),
+        "truncated": truncated,
+        "tokens": rows.tokens,
+        "trainable_tokens": rows.trainable,
+        "validation_rows": len(validation),
+        "mask_method": dict(methods),
+        "max_length": data.max_length,
+        "row_byte_limit": row_bytes,
+        "target_vocab_size": vocab,
+        "data_path": data.path,
+        "data_files": len(files),
     }
     if progress:
         progress.update(samples=rows_in, samples_total=rows_in, tokens=rows.tokens, force=True)
     skipped = ", ".join(f"{r} {n}" for r, n in summary["skipped"].items()) or "none"
-    log.info("prepare: %d rows in, %d out; skipped %d (%s); truncated %d; %d tokens, %d trainable; "
-             "%d validation rows", rows_in, rows.rows, summary["skipped_total"], skipped, truncated,
-             rows.tokens, rows.trainable, len(validation))
+    log.info(
+        "prepare: %d rows in, %d out; skipped %d (%s); truncated %d; %d tokens, %d trainable; %d validation rows",
+        rows_in,
+        rows.rows,
+        summary["skipped_total"],
+        skipped,
+        truncated,
+        rows.tokens,
+        rows.trainable,
+        len(validation),
+    )
     return summary, rows.freq, splits
 
 
-def _encode(raw: RawRow, data: DataConfig, vocab: int, renderer,
-            target_path: str) -> tuple[list[int], list[int], str, bool]:
+def _encode(
+    raw: RawRow, data: DataConfig, vocab: int, renderer, target_path: str
+) -> tuple[list[int], list[int], str, bool]:
     """One row as (input_ids, loss_mask, mask method, truncated?); RowError when it is skipped."""
     if raw.error is not None:
         raise raw.error
@@ -246,8 +288,9 @@ def _encode(raw: RawRow, data: DataConfig, vocab: int, renderer,
     return ids, mask, method, cut
 
 
-def _render(renderer: MaskedRenderer, chat: Chat, where: str, vocab: int,
-            target_path: str) -> tuple[list[int], list[int]]:
+def _render(
+    renderer: MaskedRenderer, chat: Chat, where: str, vocab: int, target_path: str
+) -> tuple[list[int], list[int]]:
     try:
         ids, mask = renderer.render(chat.messages)
     except RenderError as exc:
@@ -257,8 +300,10 @@ def _render(renderer: MaskedRenderer, chat: Chat, where: str, vocab: int,
         raise TemplateMismatch(exc.turn, f"{where}: {exc}") from None
     top = max(ids, default=0)
     if top >= vocab:
-        raise ValueError(f"{target_path}: the tokenizer produced token id {top}, but config.json's vocab_size is "
-                         f"{vocab}; the tokenizer and the model do not match, point target.path at a consistent model")
+        raise ValueError(
+            f"{target_path}: the tokenizer produced token id {top}, but config.json's vocab_size is "
+            f"{vocab}; the tokenizer and the model do not match, point target.path at a consistent model"
+        )
     return ids, mask
 
 

@@ -27,25 +27,27 @@ from eyas.workers.runtime import atomic
 
 log = logging.getLogger("eyas.selftest")
 
+
 def main(ctx) -> None:
-    opts = stage_options("selftest", ctx.options)     # state/specs.py: SelftestOptions
+    opts = stage_options("selftest", ctx.options)  # state/specs.py: SelftestOptions
     if opts.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     steps = opts.steps
     if opts.duration is not None:
         steps = max(1, round(opts.duration / opts.step_time))
         log.info("flooding %d lines/s for %.2f s: %d steps", opts.lines_per_sec, opts.duration, steps)
-    will_fail = (opts.fail is not None
-                 and opts.fail_rank in (-1, ctx.rank)
-                 and (opts.fail_attempts is None or ctx.attempt in opts.fail_attempts))
+    will_fail = (
+        opts.fail is not None
+        and opts.fail_rank in (-1, ctx.rank)
+        and (opts.fail_attempts is None or ctx.attempt in opts.fail_attempts)
+    )
 
     done_path = ctx.stage_dir / f"rank-{ctx.rank}.done"
     start = _first_undone(done_path, steps)
     if start:
         log.info("resuming at step %d", start)
     tps = opts.tokens_per_step
-    ctx.progress.update(samples=start, tokens=start * tps, samples_total=steps,
-                        tokens_total=steps * tps, force=True)
+    ctx.progress.update(samples=start, tokens=start * tps, samples_total=steps, tokens_total=steps * tps, force=True)
     if opts.heartbeat_for > 0:
         # Beats far more often than a real phase's 30 s, so that tests of the stall rule stay short.
         with ctx.progress.beating("selftest heartbeat_for", every=1.0):
@@ -56,7 +58,9 @@ def main(ctx) -> None:
         for step in range(start, steps):
             if will_fail and step == opts.fail_at_step:
                 if opts.summary_on_fail and ctx.rank == 0:
-                    atomic.write_json(ctx.attempt_dir / contract.SUMMARY, {"failed_at_step": step, "attempt": ctx.attempt})
+                    atomic.write_json(
+                        ctx.attempt_dir / contract.SUMMARY, {"failed_at_step": step, "attempt": ctx.attempt}
+                    )
                 _fail(opts.fail, ctx, step)
             log.info("step %d/%d", step + 1, steps)
             if opts.lines_per_sec > 0:
@@ -71,13 +75,14 @@ def main(ctx) -> None:
         _fail(opts.fail, ctx, steps)
     ctx.progress.flush()
     if opts.hang_at_end and opts.fail_rank in (-1, ctx.rank):
-        threading.Event().wait()    # silently: no log line, no progress
+        threading.Event().wait()  # silently: no log line, no progress
     if opts.gloo_teardown is not None:
         gloo_teardown(ctx, opts.gloo_teardown)
     if opts.lines_per_sec > 0:
         log.info("wrote %d lines", lines)
-    atomic.write_json(ctx.stage_dir / f"rank-{ctx.rank}.result.json",
-                      {"steps_run_this_attempt": steps - start, "steps_total": steps})
+    atomic.write_json(
+        ctx.stage_dir / f"rank-{ctx.rank}.result.json", {"steps_run_this_attempt": steps - start, "steps_total": steps}
+    )
     if opts.linger_thread:
         # Non-daemon: the interpreter's shutdown joins it for ever; only the runtime's os._exit ends the rank.
         threading.Thread(target=threading.Event().wait, name="selftest-linger").start()
@@ -115,21 +120,21 @@ def gloo_teardown(ctx, mode: str) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(3):
         optimizer.zero_grad()
-        model(torch.randn(8, 16)).sum().backward()     # DDP's allreduce of the gradients
+        model(torch.randn(8, 16)).sum().backward()  # DDP's allreduce of the gradients
         optimizer.step()
     late = torch.ones(1 << 20)
     work = None
     if ctx.rank == 0:
-        dist.all_reduce(late, async_op=True)     # its work is dropped here: the gloo worker frees it
+        dist.all_reduce(late, async_op=True)  # its work is dropped here: the gloo worker frees it
     else:
         time.sleep(2.0)
         work = dist.all_reduce(late, async_op=True)
-        work.wait()                     # and kept: this rank's worker has nothing to free late
+        work.wait()  # and kept: this rank's worker has nothing to free late
     log.info("gloo teardown: %s", mode)
     reducer = None
     if mode == "naive":
         dist.destroy_process_group()
-        reducer = model.reducer         # the Reducer outlives the DDP module, as its last C++ owner
+        reducer = model.reducer  # the Reducer outlives the DDP module, as its last C++ owner
         del model, optimizer
         gc.collect()
     switch = sys.getswitchinterval()
@@ -140,13 +145,15 @@ def gloo_teardown(ctx, mode: str) -> None:
         end = time.perf_counter() + 4.0
         while time.perf_counter() < end:
             pass
-    t0 = time.perf_counter()            # no log line before the teardown: writing one releases the GIL
+    t0 = time.perf_counter()  # no log line before the teardown: writing one releases the GIL
     if mode == "naive":
-        del reducer                     # rank 0: ~Reducer -> ~ProcessGroupGloo, GIL held: deadlock
+        del reducer  # rank 0: ~Reducer -> ~ProcessGroupGloo, GIL held: deadlock
     else:
+
         def release() -> None:
             nonlocal model, optimizer
             model = optimizer = None
+
         group.close(release)
     took = time.perf_counter() - t0
     sys.setswitchinterval(switch)
@@ -209,10 +216,10 @@ def _fail(mode: str, ctx, step: int) -> None:
         kids = [subprocess.Popen(["sleep", "300"], stdin=subprocess.DEVNULL) for _ in range(2)]
         # The shell exits at once, so its sleep is orphaned and reparented: the case where
         # only the process group still finds it.
-        out = subprocess.run(["sh", "-c", "sleep 300 </dev/null >/dev/null 2>&1 & echo $!"],
-                             capture_output=True, text=True, check=True).stdout
-        atomic.write_json(ctx.file(contract.CHILDREN),
-                          {"children": [k.pid for k in kids], "grandchildren": [int(out)]})
+        out = subprocess.run(
+            ["sh", "-c", "sleep 300 </dev/null >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, check=True
+        ).stdout
+        atomic.write_json(ctx.file(contract.CHILDREN), {"children": [k.pid for k in kids], "grandchildren": [int(out)]})
         raise RuntimeError("selftest failure")
     if mode == "hang":
         log.info("hanging")

@@ -62,7 +62,7 @@ from eyas.workers.vllm import version as vllm_version
 from eyas.workers.vllm.settings import is_mla, with_native_rotary
 
 log = logging.getLogger("eyas.vllm_backend")
-stage_log = logging.getLogger("eyas.extract")   # the stage's own lines (main, run), as on the hf backend
+stage_log = logging.getLogger("eyas.extract")  # the stage's own lines (main, run), as on the hf backend
 
 EXTENSION = "eyas.workers.vllm.ext.EyasWorkerExtension"
 REQUEST_PREFIX = "eyas-"
@@ -84,8 +84,10 @@ def replies(result: Any, world: int) -> list[dict]:
         if len(result) not in (1, world):
             raise RuntimeError(f"collective_rpc returned {len(result)} replies for {world} TP ranks")
         return list(result)
-    raise RuntimeError(f"collective_rpc returned {type(result).__name__}, not eyas's dict replies: "
-                       "is the worker extension eyas's (or a subclass of it)?")
+    raise RuntimeError(
+        f"collective_rpc returned {type(result).__name__}, not eyas's dict replies: "
+        "is the worker extension eyas's (or a subclass of it)?"
+    )
 
 
 def reply_of(result: Any, world: int, tp_rank: int) -> dict:
@@ -107,7 +109,7 @@ def cpu_env(tp: int) -> dict[str, str]:
         return {}
     cores = sorted(os.sched_getaffinity(0))
     per = max(1, len(cores) // tp)
-    groups = [cores[i * per:(i + 1) * per] or cores[-1:] for i in range(tp)]
+    groups = [cores[i * per : (i + 1) * per] or cores[-1:] for i in range(tp)]
     bind = "|".join(",".join(map(str, g)) for g in groups)
     return {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
@@ -118,21 +120,40 @@ def config_warnings(model_cfg: dict) -> list[str]:
     text = model_cfg.get("text_config") if isinstance(model_cfg.get("text_config"), dict) else model_cfg
     found = []
     if text.get("model_type") == "deepseek_v3" and "scoring_func" not in text:
-        found.append("config.json names no scoring_func: vLLM routes this DeepseekV3 target's experts with "
-                     "softmax (its DeepSeek-V2 default), transformers with sigmoid (DeepSeek-V3's); "
-                     "add \"scoring_func\": \"sigmoid\" if the target is a real DeepSeek-V3")
+        found.append(
+            "config.json names no scoring_func: vLLM routes this DeepseekV3 target's experts with "
+            "softmax (its DeepSeek-V2 default), transformers with sigmoid (DeepSeek-V3's); "
+            'add "scoring_func": "sigmoid" if the target is a real DeepSeek-V3'
+        )
     return found
 
 
-def engine_args(target_path: str, dtype: str, tp: int, trust_remote_code: bool, max_len: int,
-                extension: str, options: dict | None, model_cfg: dict | None = None,
-                cpu_build: bool = False) -> dict[str, Any]:
-    extra = dict(options or {})     # checked against the arguments below: state/specs.py, ExtractOptions
+def engine_args(
+    target_path: str,
+    dtype: str,
+    tp: int,
+    trust_remote_code: bool,
+    max_len: int,
+    extension: str,
+    options: dict | None,
+    model_cfg: dict | None = None,
+    cpu_build: bool = False,
+) -> dict[str, Any]:
+    extra = dict(options or {})  # checked against the arguments below: state/specs.py, ExtractOptions
     args = {
-        "model": target_path, "tokenizer": target_path, "dtype": dtype, "tensor_parallel_size": tp,
-        "pipeline_parallel_size": 1, "enforce_eager": True, "enable_prefix_caching": False,
-        "worker_extension_cls": extension, "distributed_executor_backend": "mp", "skip_tokenizer_init": True,
-        "trust_remote_code": trust_remote_code, "max_model_len": max_len + 1, "disable_log_stats": True,
+        "model": target_path,
+        "tokenizer": target_path,
+        "dtype": dtype,
+        "tensor_parallel_size": tp,
+        "pipeline_parallel_size": 1,
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "worker_extension_cls": extension,
+        "distributed_executor_backend": "mp",
+        "skip_tokenizer_init": True,
+        "trust_remote_code": trust_remote_code,
+        "max_model_len": max_len + 1,
+        "disable_log_stats": True,
         "seed": 0,
     }
     args.update(extra)
@@ -149,13 +170,17 @@ def load_extension(qualname: str) -> type:
     try:
         cls = getattr(importlib.import_module(module_name), cls_name)
     except (ImportError, AttributeError, ValueError) as exc:
-        raise ValueError(f"worker extension {qualname!r} cannot be imported ({exc}); name a class as "
-                         "\"package.module.Class\" that subclasses eyas.workers.vllm.ext.EyasWorkerExtension") from None
+        raise ValueError(
+            f"worker extension {qualname!r} cannot be imported ({exc}); name a class as "
+            '"package.module.Class" that subclasses eyas.workers.vllm.ext.EyasWorkerExtension'
+        ) from None
     from eyas.workers.vllm.ext import EyasWorkerExtension
 
     if not (isinstance(cls, type) and issubclass(cls, EyasWorkerExtension)):
-        raise ValueError(f"worker extension {qualname} does not subclass eyas.workers.vllm.ext.EyasWorkerExtension, "
-                         "which registers the workers with the daemon and records their errors")
+        raise ValueError(
+            f"worker extension {qualname} does not subclass eyas.workers.vllm.ext.EyasWorkerExtension, "
+            "which registers the workers with the daemon and records their errors"
+        )
     return cls
 
 
@@ -169,17 +194,48 @@ class Engine:
     version: str
 
     @classmethod
-    def start(cls, *, target_path: str, architecture: str, dtype: str, tp: int, trust_remote_code: bool,
-              layer_ids: tuple[int, ...], hs_dir, max_len: int, options: dict | None = None,
-              extension: str = EXTENSION, max_pending: int = 2, model_cfg: dict | None = None) -> Engine:
-        engine = cls.launch(target_path=target_path, dtype=dtype, tp=tp, trust_remote_code=trust_remote_code,
-                            max_len=max_len, options=options, extension=extension, model_cfg=model_cfg)
+    def start(
+        cls,
+        *,
+        target_path: str,
+        architecture: str,
+        dtype: str,
+        tp: int,
+        trust_remote_code: bool,
+        layer_ids: tuple[int, ...],
+        hs_dir,
+        max_len: int,
+        options: dict | None = None,
+        extension: str = EXTENSION,
+        max_pending: int = 2,
+        model_cfg: dict | None = None,
+    ) -> Engine:
+        engine = cls.launch(
+            target_path=target_path,
+            dtype=dtype,
+            tp=tp,
+            trust_remote_code=trust_remote_code,
+            max_len=max_len,
+            options=options,
+            extension=extension,
+            model_cfg=model_cfg,
+        )
         engine.attach(architecture, layer_ids, dtype, hs_dir, max_pending)
         return engine
 
     @classmethod
-    def launch(cls, *, target_path: str, dtype: str, tp: int, trust_remote_code: bool, max_len: int,
-               options: dict | None = None, extension: str = EXTENSION, model_cfg: dict | None = None) -> Engine:
+    def launch(
+        cls,
+        *,
+        target_path: str,
+        dtype: str,
+        tp: int,
+        trust_remote_code: bool,
+        max_len: int,
+        options: dict | None = None,
+        extension: str = EXTENSION,
+        model_cfg: dict | None = None,
+    ) -> Engine:
         """The engine alone, its workers not yet observing anything (see attach)."""
         version = vllm_version.check()
         load_extension(extension)
@@ -199,14 +255,28 @@ class Engine:
 
     def attach(self, architecture: str, layer_ids, dtype: str, hs_dir, max_pending: int = 2) -> None:
         """Set the capture up in every worker (TP rank 0 will write into `hs_dir`)."""
-        spec = {"architecture": architecture, "layer_ids": list(layer_ids), "dtype": dtype, "hs_dir": str(hs_dir),
-                "writer_rank": 0, "max_pending": max_pending}
+        spec = {
+            "architecture": architecture,
+            "layer_ids": list(layer_ids),
+            "dtype": dtype,
+            "hs_dir": str(hs_dir),
+            "writer_rank": 0,
+            "max_pending": max_pending,
+        }
         self.setup = replies(self.llm.collective_rpc("eyas_setup", args=(spec,)), self.tp)
         first = reply_of(self.setup, self.tp, 0)
-        log.info("workers: %s (%s) -> %s at %s, %d layers of %s, hidden %d, %s runner, embeddings via %s()",
-                 first["model_class"], first["adapter"], first["decoder_class"], first["decoder_path"],
-                 first["num_layers"], first["layer_class"], first["hidden_size"], first["runner"],
-                 first["embed_api"])
+        log.info(
+            "workers: %s (%s) -> %s at %s, %d layers of %s, hidden %d, %s runner, embeddings via %s()",
+            first["model_class"],
+            first["adapter"],
+            first["decoder_class"],
+            first["decoder_path"],
+            first["num_layers"],
+            first["layer_class"],
+            first["hidden_size"],
+            first["runner"],
+            first["embed_api"],
+        )
 
     def run(self, batch: list[tuple[int, list[int], bool]]) -> dict:
         """Prefill every (row, token ids, write?) of `batch`; returns TP rank 0's report."""
@@ -225,8 +295,9 @@ class Engine:
                 if out.finished:
                     finished.add(out.request_id)
         if finished != set(ids):
-            raise RuntimeError(f"vLLM finished {len(finished)} of {len(ids)} requests; missing: "
-                               f"{sorted(set(ids) - finished)[:5]}")
+            raise RuntimeError(
+                f"vLLM finished {len(finished)} of {len(ids)} requests; missing: {sorted(set(ids) - finished)[:5]}"
+            )
         return reply_of(self.llm.collective_rpc("eyas_collect"), self.tp, 0)
 
     def finish(self) -> dict:
@@ -249,9 +320,11 @@ def main(ctx, settings: Settings) -> None:
     vllm_version.check()
     arch, adapter, model_cfg = hf_target.check(settings.target_path)
     if ctx.world_size != 1:
-        raise ValueError(f'extract.backend = "vllm" runs one driver rank, which drives '
-                         f"{settings.tensor_parallel_size} tensor-parallel workers; the run starts {ctx.world_size}: "
-                         "set stages.extract.ranks = 1 (or resources.ranks = 1)")
+        raise ValueError(
+            f'extract.backend = "vllm" runs one driver rank, which drives '
+            f"{settings.tensor_parallel_size} tensor-parallel workers; the run starts {ctx.world_size}: "
+            "set stages.extract.ranks = 1 (or resources.ranks = 1)"
+        )
     dataset = load_dataset(settings.dataset_dir)
     lengths = row_lengths(dataset, settings.dataset_dir)
     n = num_hidden_layers(settings.target_path)
@@ -259,26 +332,49 @@ def main(ctx, settings: Settings) -> None:
     plan = plan_batches(lengths, 1, 0, settings.batch_size)
     hs_dir = settings.out_dir / HIDDEN_STATES_DIR
     claim_output(settings.out_dir, identity(settings, arch, layer_ids, dataset))
-    with ctx.progress.beating("vllm engine start"):     # weight load, profiling, compilation: silent minutes
+    with ctx.progress.beating("vllm engine start"):  # weight load, profiling, compilation: silent minutes
         engine = Engine.start(
-            target_path=settings.target_path, architecture=arch, dtype=settings.dtype,
-            tp=settings.tensor_parallel_size, trust_remote_code=settings.trust_remote_code, layer_ids=layer_ids,
-            hs_dir=hs_dir, max_len=max(lengths, default=1), options=settings.vllm_options,
-            extension=settings.worker_extension or EXTENSION, model_cfg=model_cfg)
+            target_path=settings.target_path,
+            architecture=arch,
+            dtype=settings.dtype,
+            tp=settings.tensor_parallel_size,
+            trust_remote_code=settings.trust_remote_code,
+            layer_ids=layer_ids,
+            hs_dir=hs_dir,
+            max_len=max(lengths, default=1),
+            options=settings.vllm_options,
+            extension=settings.worker_extension or EXTENSION,
+            model_cfg=model_cfg,
+        )
     try:
         first = reply_of(engine.setup, engine.tp, 0)
         if first["num_layers"] != n:
-            raise RuntimeError(f"vLLM's {first['decoder_class']} has {first['num_layers']} layers; config.json says {n}")
+            raise RuntimeError(
+                f"vLLM's {first['decoder_class']} has {first['num_layers']} layers; config.json says {n}"
+            )
         stats, steps = run(engine, dataset, lengths, plan, hs_dir, progress=ctx.progress)
     finally:
         engine.shutdown()
-    info = TargetInfo(arch, model_cfg.get("model_type"), adapter.family, first["decoder_path"], n,
-                      first["hidden_size"])
-    finish(ctx, settings, info, layer_ids, lengths, hs_dir, stats.totals(),
-           extra={"tensor_parallel_size": settings.tensor_parallel_size,
-                  "vllm": {"version": engine.version, "model_class": first["model_class"],
-                           "decoder_class": first["decoder_class"], "layer_class": first["layer_class"]}},
-           summary_extra={"vllm_steps": steps})
+    info = TargetInfo(arch, model_cfg.get("model_type"), adapter.family, first["decoder_path"], n, first["hidden_size"])
+    finish(
+        ctx,
+        settings,
+        info,
+        layer_ids,
+        lengths,
+        hs_dir,
+        stats.totals(),
+        extra={
+            "tensor_parallel_size": settings.tensor_parallel_size,
+            "vllm": {
+                "version": engine.version,
+                "model_class": first["model_class"],
+                "decoder_class": first["decoder_class"],
+                "layer_class": first["layer_class"],
+            },
+        },
+        summary_extra={"vllm_steps": steps},
+    )
 
 
 def run(engine: Engine, dataset, lengths, plan, hs_dir, progress=None) -> tuple[Stats, dict]:
@@ -308,6 +404,11 @@ def run(engine: Engine, dataset, lengths, plan, hs_dir, progress=None) -> tuple[
     if progress is not None:
         progress.update(samples=stats.samples, tokens=stats.tokens, force=True)
     steps = {k: fin[k] for k in ("steps", "tokens", "max_requests_per_step", "continued_segments") if k in fin}
-    stage_log.info("done: %d files written, %d batches skipped, %.1f s; %s", stats.written, stats.skipped_batches,
-                   stats.seconds, steps)
+    stage_log.info(
+        "done: %d files written, %d batches skipped, %.1f s; %s",
+        stats.written,
+        stats.skipped_batches,
+        stats.seconds,
+        steps,
+    )
     return stats, steps

@@ -48,11 +48,11 @@ log = logging.getLogger("eyas.vllm_capture")
 
 @dataclass
 class Request:
-    idx: int                    # dataset row: names the file
-    tokens: np.ndarray          # prompt token ids
-    write: bool                 # False: its file exists already; check it, keep nothing
-    buffer: Any = None          # [len, n_ids, hidden] in the target dtype, when writing
-    covered: np.ndarray = field(default=None)   # bool per position: captured yet?
+    idx: int  # dataset row: names the file
+    tokens: np.ndarray  # prompt token ids
+    write: bool  # False: its file exists already; check it, keep nothing
+    buffer: Any = None  # [len, n_ids, hidden] in the target dtype, when writing
+    covered: np.ndarray = field(default=None)  # bool per position: captured yet?
     submitted: bool = False
 
     @property
@@ -63,8 +63,16 @@ class Request:
 class Capture:
     """Hooks on one worker's decoder; `expect()` requests, run them, then `collect()`."""
 
-    def __init__(self, decoder: Decoder, layer_ids: tuple[int, ...], dtype, hs_dir: Path, runner: Any,
-                 device: Any = None, max_pending: int = 2):
+    def __init__(
+        self,
+        decoder: Decoder,
+        layer_ids: tuple[int, ...],
+        dtype,
+        hs_dir: Path,
+        runner: Any,
+        device: Any = None,
+        max_pending: int = 2,
+    ):
         import torch
 
         self.torch = torch
@@ -77,20 +85,22 @@ class Capture:
         self.runner = runner
         self.v2 = vllm_layout.V2Observer(runner) if vllm_layout.is_v2(runner) else None
         self.writer = hswriter.HiddenStatesWriter(Path(hs_dir), max_pending=max_pending)
-        self.requests: dict[str, Request] = {}      # external request id -> request
-        self._internal: dict[str, Request] = {}     # vLLM's internal id -> request
-        self.active = False                          # inside a real scheduler step
-        self._step: tuple | None = None              # (layout, buffer view, seen ids)
+        self.requests: dict[str, Request] = {}  # external request id -> request
+        self._internal: dict[str, Request] = {}  # vLLM's internal id -> request
+        self.active = False  # inside a real scheduler step
+        self._step: tuple | None = None  # (layout, buffer view, seen ids)
         self._buffer = None
         self.steps = 0
         self.tokens = 0
-        self.max_requests = 0        # most requests seen in one step
-        self.continued = 0           # segments that continue a prompt begun in an earlier step
+        self.max_requests = 0  # most requests seen in one step
+        self.continued = 0  # segments that continue a prompt begun in an earlier step
         first = decoder.layers[0]
         self._pos_at = _index(type(first).forward, "positions")
         if self._pos_at is None:
-            raise RuntimeError(f"{type(first).__name__}.forward takes no 'positions'; eyas maps rows to "
-                               "requests by the positions each decoder layer receives")
+            raise RuntimeError(
+                f"{type(first).__name__}.forward takes no 'positions'; eyas maps rows to "
+                "requests by the positions each decoder layer receives"
+            )
         self._ids = None
         tap = TAPS["vllm"]
         embed = getattr(decoder.module, "embed_tokens", None)
@@ -110,9 +120,11 @@ class Capture:
         start = getattr(decoder.module, "start_layer", 0)
         end = getattr(decoder.module, "end_layer", decoder.num_layers)
         if (start, end) != (0, decoder.num_layers):
-            raise RuntimeError(f"this worker holds decoder layers {start}..{end - 1} of {decoder.num_layers}: "
-                               "pipeline parallelism splits the residual stream across workers; extract with "
-                               "tensor parallelism only (pipeline_parallel_size = 1)")
+            raise RuntimeError(
+                f"this worker holds decoder layers {start}..{end - 1} of {decoder.num_layers}: "
+                "pipeline parallelism splits the residual stream across workers; extract with "
+                "tensor parallelism only (pipeline_parallel_size = 1)"
+            )
 
     # -- requests ------------------------------------------------------------------------
 
@@ -140,9 +152,11 @@ class Capture:
         missing = {rid: int((~r.covered).sum()) for rid, r in self.requests.items() if not r.covered.all()}
         if missing:
             first = next(iter(missing))
-            raise RuntimeError(f"{len(missing)} requests finished with positions never captured "
-                               f"(first: {first}, {missing[first]} of {self.requests[first].length} missing); "
-                               "the model's forward did not pass through the tapped modules for them")
+            raise RuntimeError(
+                f"{len(missing)} requests finished with positions never captured "
+                f"(first: {first}, {missing[first]} of {self.requests[first].length} missing); "
+                "the model's forward did not pass through the tapped modules for them"
+            )
         done = sorted(r.idx for r in self.requests.values())
         written = sorted(r.idx for r in self.requests.values() if r.write)
         self.requests.clear()
@@ -155,15 +169,20 @@ class Capture:
             h.remove()
         self._handles.clear()
         for name in ("execute_model", "prepare_inputs"):
-            if name in vars(self.runner):      # our instance-level wrapper, over the class's method
+            if name in vars(self.runner):  # our instance-level wrapper, over the class's method
                 delattr(self.runner, name)
 
     def close(self) -> dict:
         self._detach()
         self.writer.close()
-        return {"written": self.writer.written, "bytes": self.writer.bytes, "steps": self.steps,
-                "tokens": self.tokens, "max_requests_per_step": self.max_requests,
-                "continued_segments": self.continued}
+        return {
+            "written": self.writer.written,
+            "bytes": self.writer.bytes,
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "max_requests_per_step": self.max_requests,
+            "continued_segments": self.continued,
+        }
 
     def abort(self) -> None:
         self._detach()
@@ -197,8 +216,9 @@ class Capture:
         vllm_layout.verify(layout, pos, ids, expected)
         t = layout.num_tokens
         if self._buffer is None or self._buffer.shape[0] < t:
-            self._buffer = self.torch.empty((max(t, 256), len(self.layer_ids), self.hidden_size), dtype=self.dtype,
-                                            pin_memory=self._pinned())
+            self._buffer = self.torch.empty(
+                (max(t, 256), len(self.layer_ids), self.hidden_size), dtype=self.dtype, pin_memory=self._pinned()
+            )
         self._step = (layout, self._buffer[:t], set(), pos.shape[-1])
         return None
 
@@ -213,10 +233,12 @@ class Capture:
             layout, buf, seen, rows = step
             stream = read(args, kwargs)
             if stream.shape[0] != rows:
-                raise RuntimeError(f"the stream entering {type(module).__name__} has {stream.shape[0]} rows for "
-                                   f"{rows} positions: it is sharded across ranks (sequence-parallel MoE), "
-                                   "which eyas does not capture; disable sequence parallelism for extraction")
-            buf[:, k].copy_(stream[:layout.num_tokens], non_blocking=True)
+                raise RuntimeError(
+                    f"the stream entering {type(module).__name__} has {stream.shape[0]} rows for "
+                    f"{rows} positions: it is sharded across ranks (sequence-parallel MoE), "
+                    "which eyas does not capture; disable sequence parallelism for extraction"
+                )
+            buf[:, k].copy_(stream[: layout.num_tokens], non_blocking=True)
             seen.add(k)
             return None
 
@@ -238,7 +260,7 @@ class Capture:
         self.continued += sum(1 for seg in layout.segments if seg.position > 0)
         for seg in layout.segments:
             req = self._request(seg.req_id)
-            end = min(seg.end, seg.start + req.length - seg.position)   # prompt rows only
+            end = min(seg.end, seg.start + req.length - seg.position)  # prompt rows only
             if end <= seg.start:
                 continue
             n = end - seg.start
@@ -246,14 +268,12 @@ class Capture:
             # values; once its file is queued, a repeat is only checked, not kept.
             if req.write and not req.submitted:
                 if req.buffer is None:
-                    req.buffer = self.torch.empty((req.length, len(self.layer_ids), self.hidden_size),
-                                                  dtype=self.dtype)
-                req.buffer[seg.position:seg.position + n].copy_(buf[seg.start:end])
-            req.covered[seg.position:seg.position + n] = True
+                    req.buffer = self.torch.empty((req.length, len(self.layer_ids), self.hidden_size), dtype=self.dtype)
+                req.buffer[seg.position : seg.position + n].copy_(buf[seg.start : end])
+            req.covered[seg.position : seg.position + n] = True
             if req.write and not req.submitted and req.covered.all():
                 req.submitted = True
-                item = hswriter.Item(idx=req.idx, row=0, length=req.length,
-                                     token_ids=self.torch.from_numpy(req.tokens))
+                item = hswriter.Item(idx=req.idx, row=0, length=req.length, token_ids=self.torch.from_numpy(req.tokens))
                 self.writer.put(hswriter.Job(hidden=req.buffer.unsqueeze(0), items=[item]))
                 req.buffer = None  # the writer owns it now
         return None

@@ -79,14 +79,23 @@ def register(tp_rank: int, rank: int | None = None, device: str | None = None) -
     first = _state["tp_rank"] is None
     _state["tp_rank"] = tp_rank
     record = {
-        "tp_rank": tp_rank, "rank": tp_rank if rank is None else rank, "pid": os.getpid(),
-        "create_time": psutil.Process().create_time(), "device": device or _device(tp_rank),
-        "host": socket.gethostname(), "driver_rank": _int(os.environ.get(contract.RANK)), "time": time.time(),
+        "tp_rank": tp_rank,
+        "rank": tp_rank if rank is None else rank,
+        "pid": os.getpid(),
+        "create_time": psutil.Process().create_time(),
+        "device": device or _device(tp_rank),
+        "host": socket.gethostname(),
+        "driver_rank": _int(os.environ.get(contract.RANK)),
+        "time": time.time(),
     }
     try:
         atomic.write_json(directory / contract.tp_file(tp_rank, contract.PROC), record)
     except OSError as exc:
-        print(f"eyas: TP rank {tp_rank}: could not write {contract.tp_file(tp_rank, contract.PROC)}: {exc}", file=sys.stderr, flush=True)
+        print(
+            f"eyas: TP rank {tp_rank}: could not write {contract.tp_file(tp_rank, contract.PROC)}: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
     if first:
         _install_hooks(tp_rank)
 
@@ -119,10 +128,16 @@ def record_error(exc: BaseException, where: str = "") -> None:
         _state["error_written"] = True
     from eyas.workers.runtime import rank as runtime
 
-    record = runtime.error_record(exc, rank=None, stage=os.environ.get(contract.STAGE),
-                                  attempt=_int(os.environ.get(contract.ATTEMPT)))
-    record.update(traceback=_format(exc), tp_rank=tp_rank, role="tp-worker",
-                  driver_rank=_int(os.environ.get(contract.RANK)), where=where)
+    record = runtime.error_record(
+        exc, rank=None, stage=os.environ.get(contract.STAGE), attempt=_int(os.environ.get(contract.ATTEMPT))
+    )
+    record.update(
+        traceback=_format(exc),
+        tp_rank=tp_rank,
+        role="tp-worker",
+        driver_rank=_int(os.environ.get(contract.RANK)),
+        where=where,
+    )
     runtime.write_error(directory / contract.tp_file(tp_rank, contract.ERROR), record)
 
 
@@ -153,15 +168,19 @@ class _Prefixed:
         self._stream = stream
         self._prefix = prefix
         self._partial = ""
-        self._lock = threading.Lock()   # threads print too; the partial line is shared
+        self._lock = threading.Lock()  # threads print too; the partial line is shared
 
     def write(self, text: str) -> int:
         with self._lock:
             lines = (self._partial + text).split("\n")
             self._partial = lines.pop()
             if lines:
-                self._stream.write("".join(line + "\n" if line.startswith("(") and " pid=" in line[:64] else
-                                           self._prefix + line + "\n" for line in lines))
+                self._stream.write(
+                    "".join(
+                        line + "\n" if line.startswith("(") and " pid=" in line[:64] else self._prefix + line + "\n"
+                        for line in lines
+                    )
+                )
         return len(text)
 
     def flush(self) -> None:
@@ -247,25 +266,38 @@ class EyasWorkerExtension:
         model = self.get_model()
         adapter, decoder = adapters.resolve(model, spec["architecture"], backend="vllm")
         layer_ids = decoder.check_ids(spec["layer_ids"])
-        embed = decoder.api("embed", "vllm")   # the real API of this family, checked on the loaded class
-        for layer_id in layer_ids:             # each tapped class's signature, checked once
+        embed = decoder.api("embed", "vllm")  # the real API of this family, checked on the loaded class
+        for layer_id in layer_ids:  # each tapped class's signature, checked once
             adapters.TAPS["vllm"].bind(decoder.tap_module(layer_id))
         dtype = getattr(torch, spec["dtype"])
         writer = int(self.rank) == int(spec.get("writer_rank", 0))
         previous = getattr(self, "_eyas_capture", None)
-        if previous is not None:       # set up again (a new output dir): the old hooks go first
+        if previous is not None:  # set up again (a new output dir): the old hooks go first
             previous.abort()
             self._eyas_capture = None
         if writer:
-            self._eyas_capture = Capture(decoder, layer_ids, dtype, Path(spec["hs_dir"]), self.model_runner,
-                                         device=getattr(self, "device", None),
-                                         max_pending=int(spec.get("max_pending", 2)))
+            self._eyas_capture = Capture(
+                decoder,
+                layer_ids,
+                dtype,
+                Path(spec["hs_dir"]),
+                self.model_runner,
+                device=getattr(self, "device", None),
+                max_pending=int(spec.get("max_pending", 2)),
+            )
         layer = decoder.layers[0]
         return {
-            "tp_rank": int(self.rank), "pid": os.getpid(), "writer": writer, "adapter": adapter.family,
-            "model_class": type(model).__name__, "decoder_class": type(decoder.module).__name__,
-            "layer_class": type(layer).__name__, "decoder_path": decoder.path, "num_layers": decoder.num_layers,
-            "hidden_size": int(decoder.norm.weight.shape[-1]), "embed_api": embed.__name__,
+            "tp_rank": int(self.rank),
+            "pid": os.getpid(),
+            "writer": writer,
+            "adapter": adapter.family,
+            "model_class": type(model).__name__,
+            "decoder_class": type(decoder.module).__name__,
+            "layer_class": type(layer).__name__,
+            "decoder_path": decoder.path,
+            "num_layers": decoder.num_layers,
+            "hidden_size": int(decoder.norm.weight.shape[-1]),
+            "embed_api": embed.__name__,
             "runner": "v2" if not hasattr(self.model_runner, "input_batch") else "v1",
             "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         }

@@ -37,16 +37,16 @@ class LayoutError(RuntimeError):
 
 @dataclass(frozen=True)
 class Segment:
-    req_id: str        # vLLM's internal request id
-    start: int         # first row of the step's flattened tokens
-    end: int           # one past its last row
-    position: int      # the prompt position of row `start`
+    req_id: str  # vLLM's internal request id
+    start: int  # first row of the step's flattened tokens
+    end: int  # one past its last row
+    position: int  # the prompt position of row `start`
 
 
 @dataclass(frozen=True)
 class StepLayout:
     segments: tuple[Segment, ...]
-    num_tokens: int    # real (unpadded) tokens of the step
+    num_tokens: int  # real (unpadded) tokens of the step
 
     @classmethod
     def from_arrays(cls, req_ids, query_start_loc, positions) -> StepLayout:
@@ -60,8 +60,9 @@ class StepLayout:
         total = int(qsl[-1])
         if pos.shape[0] < total:
             raise LayoutError(f"the step schedules {total} tokens but the model got {pos.shape[0]} positions")
-        segments = tuple(Segment(str(r), int(a), int(b), int(pos[a]) if b > a else 0)
-                         for r, a, b in zip(req_ids, qsl[:-1], qsl[1:]))
+        segments = tuple(
+            Segment(str(r), int(a), int(b), int(pos[a]) if b > a else 0) for r, a, b in zip(req_ids, qsl[:-1], qsl[1:])
+        )
         return cls(segments, total)
 
 
@@ -71,10 +72,12 @@ def read_v1(runner: Any, positions) -> StepLayout:
         batch = runner.input_batch
         n = int(batch.num_reqs)
         req_ids = list(batch.req_ids[:n])
-        qsl = runner.query_start_loc.np[:n + 1]
+        qsl = runner.query_start_loc.np[: n + 1]
     except AttributeError as exc:
-        raise LayoutError(f"{type(runner).__name__} has no V1 batch layout ({exc}); eyas reads "
-                          "input_batch.req_ids and query_start_loc of vLLM 0.32/0.33 runners") from None
+        raise LayoutError(
+            f"{type(runner).__name__} has no V1 batch layout ({exc}); eyas reads "
+            "input_batch.req_ids and query_start_loc of vLLM 0.32/0.33 runners"
+        ) from None
     return StepLayout.from_arrays(req_ids, qsl, positions)
 
 
@@ -83,7 +86,7 @@ def read_v2(input_batch: Any, positions) -> StepLayout:
     try:
         n = int(input_batch.num_reqs)
         req_ids = list(input_batch.req_ids[:n])
-        qsl = np.asarray(input_batch.query_start_loc_np)[:n + 1]
+        qsl = np.asarray(input_batch.query_start_loc_np)[: n + 1]
     except AttributeError as exc:
         raise LayoutError(f"{type(input_batch).__name__} has no V2 batch layout ({exc})") from None
     return StepLayout.from_arrays(req_ids, qsl, positions)
@@ -124,20 +127,27 @@ def verify(layout: StepLayout, positions, input_ids, expected: dict[str, tuple[i
         if seg.req_id not in expected:
             raise LayoutError(f"step holds request {seg.req_id!r}, which eyas did not send")
         length, tokens = expected[seg.req_id]
-        p = pos[seg.start:seg.end]
+        p = pos[seg.start : seg.end]
         n = seg.end - seg.start
         if n and not np.array_equal(p, np.arange(seg.position, seg.position + n)):
-            raise LayoutError(f"request {seg.req_id}: rows {seg.start}:{seg.end} carry positions "
-                              f"{_short(p)}, not {seg.position}..{seg.position + n - 1}: the step layout "
-                              "read from the runner does not match the model's inputs")
+            raise LayoutError(
+                f"request {seg.req_id}: rows {seg.start}:{seg.end} carry positions "
+                f"{_short(p)}, not {seg.position}..{seg.position + n - 1}: the step layout "
+                "read from the runner does not match the model's inputs"
+            )
         # Rows at or past the prompt's end are generated tokens (none with max_tokens=1).
         k = max(0, min(seg.end, seg.start + length - seg.position) - seg.start)
-        if ids is not None and k and not np.array_equal(ids[seg.start:seg.start + k],
-                                                          tokens[seg.position:seg.position + k]):
-            raise LayoutError(f"request {seg.req_id}: rows {seg.start}:{seg.start + k} carry token ids "
-                              f"{_short(ids[seg.start:seg.start + k])}, not its prompt's "
-                              f"{_short(tokens[seg.position:seg.position + k])}: the step layout read from "
-                              "the runner does not match the model's inputs")
+        if (
+            ids is not None
+            and k
+            and not np.array_equal(ids[seg.start : seg.start + k], tokens[seg.position : seg.position + k])
+        ):
+            raise LayoutError(
+                f"request {seg.req_id}: rows {seg.start}:{seg.start + k} carry token ids "
+                f"{_short(ids[seg.start : seg.start + k])}, not its prompt's "
+                f"{_short(tokens[seg.position : seg.position + k])}: the step layout read from "
+                "the runner does not match the model's inputs"
+            )
 
 
 def _short(a) -> str:

@@ -41,7 +41,7 @@ def is_cpu_build(lookup: Lookup = importlib.metadata.version) -> bool:
 
 
 def minor(version: str) -> str:
-    """"0.33.1+cu128" -> "0.33"."""
+    """ "0.33.1+cu128" -> "0.33"."""
     return ".".join(version.split("+")[0].split(".")[:2])
 
 
@@ -65,6 +65,8 @@ def check(version: str | None = None) -> str:
         version = require('extract.backend = "vllm"', 'use backend = "hf"')
     if supported(version) is None:
         known = "; ".join(f"{v} ({what})" for v, what in SUPPORTED.items())
-        raise UnsupportedVllm(f"vLLM {version} is not supported by eyas's vllm backend (supported: {known}); "
-                              'install one of them, or use backend = "hf"')
+        raise UnsupportedVllm(
+            f"vLLM {version} is not supported by eyas's vllm backend (supported: {known}); "
+            'install one of them, or use backend = "hf"'
+        )
     return version

@@ -36,10 +36,7 @@ RANK1 = (
     "progress 10%\r progress 100%\n"
     "left without a newline"
 )
-RANK10 = (
-    "2026-12-02 13:05:00,500 INFO rank 10 first\n"
-    "2026-12-02 13:05:03,000 INFO rank 10 ties with ranks 0 and 1\n"
-)
+RANK10 = "2026-12-02 13:05:00,500 INFO rank 10 first\n2026-12-02 13:05:03,000 INFO rank 10 ties with ranks 0 and 1\n"
 
 MERGED = [
     "[r0] starting rank 0",
@@ -73,8 +70,9 @@ def attempt(db, home, run_id, stage, files: dict[int, str], now=START, world_siz
 def home(tmp_path_factory):
     h = tmp_path_factory.mktemp("home")
     db = store.open_writer(paths.db_path(h))
-    r = store.create_run(db, name="logs", model="m", stages=[{"name": "prepare"}, {"name": "train"}, {"name": "vocab"}],
-                         now=START - 60)
+    r = store.create_run(
+        db, name="logs", model="m", stages=[{"name": "prepare"}, {"name": "train"}, {"name": "vocab"}], now=START - 60
+    )
     store.move_run(db, r, "running", "started", now=START - 60)
     store.move_stage(db, r, "prepare", "running", "started", now=START - 60)
     a, _ = attempt(db, h, r, "prepare", {0: "prepare says hi\n"}, now=START - 60, world_size=1)
@@ -100,7 +98,9 @@ def test_one_rank_verbatim(home, eyas_cli):
 
 
 def test_attempt_and_stage(home, eyas_cli):
-    assert eyas_cli(home, "logs", "1", "--attempt", "1").stdout == "[r0] attempt one, rank 0\n[r1] attempt one, rank 1\n"
+    assert (
+        eyas_cli(home, "logs", "1", "--attempt", "1").stdout == "[r0] attempt one, rank 0\n[r1] attempt one, rank 1\n"
+    )
     assert eyas_cli(home, "logs", "1", "--stage", "prepare").stdout == "[r0] prepare says hi\n"
 
 
@@ -117,9 +117,12 @@ def test_grep(home, eyas_cli):
 @pytest.mark.parametrize(
     "args, code, message",
     [
-        (["--grep", "step ("], 2,
-         "eyas logs: --grep 'step (': not a regular expression (missing ), unterminated subpattern at "
-         "position 5); escape special characters\n"),
+        (
+            ["--grep", "step ("],
+            2,
+            "eyas logs: --grep 'step (': not a regular expression (missing ), unterminated subpattern at "
+            "position 5); escape special characters\n",
+        ),
         (["--stage", "nope"], 1, "eyas logs: run 1 has no stage 'nope' (its stages: prepare, train, vocab)\n"),
         (["--stage", "vocab"], 1, "eyas logs: stage vocab of run 1 has not started yet, so it has no logs\n"),
         (["--attempt", "3"], 1, "eyas logs: stage train of run 1 has no attempt 3 (its attempts: 1, 2)\n"),
@@ -173,8 +176,13 @@ class Reader:
 def follow(home: Path, *args) -> tuple[subprocess.Popen, Reader]:
     env = {**os.environ, "TZ": "UTC"}
     env.pop("EYAS_HOME", None)
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("eyas")), "--home", str(home), "logs", *map(str, args), "-f"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).with_name("eyas")), "--home", str(home), "logs", *map(str, args), "-f"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     return proc, Reader(proc)
 
 
@@ -199,8 +207,10 @@ def test_follow_appends_new_ranks_new_attempt_then_stops(tmp_path):
         # The attempt fails and the stage gets another: the follower says so and switches.
         store.move_attempt(db, a1, "failed", "rank 0 failed", now=START + 10)
         a2, d2 = attempt(db, tmp_path, r, "train", {0: "2026-12-02 13:06:00,000 second attempt\n"}, now=START + 20)
-        assert out.take(2) == ["--- train attempt 2 started; following it ---",
-                               "[r0] 2026-12-02 13:06:00,000 second attempt"]
+        assert out.take(2) == [
+            "--- train attempt 2 started; following it ---",
+            "[r0] 2026-12-02 13:06:00,000 second attempt",
+        ]
 
         # Attempt and stage end, the files go quiet: it stops by itself.
         with open(d2 / "rank-0.log", "a") as f:

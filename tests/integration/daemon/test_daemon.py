@@ -26,8 +26,11 @@ def _alive(pid: int) -> bool:
 
 
 def _worker_pids(d: Daemon, run_id: int, n: int) -> list[int]:
-    return wait_for(lambda: (pids := [r["pid"] for r in d.ranks(run_id)]) and len(pids) == n and all(pids) and pids,
-                    30, what="rank pids")
+    return wait_for(
+        lambda: (pids := [r["pid"] for r in d.ranks(run_id)]) and len(pids) == n and all(pids) and pids,
+        30,
+        what="rank pids",
+    )
 
 
 def _root(run: dict, stage: str = "selftest") -> dict:
@@ -41,7 +44,10 @@ def test_success_records_every_rank_and_metrics(daemon):
     (stage,) = run["stages"]
     assert (stage["state"], stage["attempts"]) == ("succeeded", 1)
     ranks = stage["attempt_list"][0]["ranks"]
-    assert [(r["rank"], r["state"], r["exit_code"], r["signal"]) for r in ranks] == [(0, "exited", 0, None), (1, "exited", 0, None)]
+    assert [(r["rank"], r["state"], r["exit_code"], r["signal"]) for r in ranks] == [
+        (0, "exited", 0, None),
+        (1, "exited", 0, None),
+    ]
     db = daemon.reader()
     names = {row[0] for row in db.execute("select distinct name from metrics where run_id = ?", [run_id])}
     assert {"cpu_percent", "rss_bytes", "tokens", "samples", "tok_s"} <= names
@@ -51,10 +57,15 @@ def test_success_records_every_rank_and_metrics(daemon):
     assert stage["tok_s"] == pytest.approx(sum(rank_rates))
     assert run["tok_s"] == pytest.approx(stage["tok_s"])
     # The last progress line of each rank was read after it exited: every token is counted.
-    last = db.execute("select max(value) from metrics where run_id = ? and name = 'tokens' and rank = 0", [run_id]).fetchone()[0]
+    last = db.execute(
+        "select max(value) from metrics where run_id = ? and name = 'tokens' and rank = 0", [run_id]
+    ).fetchone()[0]
     assert last == 30 * 100
     # Every transition is an event with a reason.
-    events = [(e["entity"], e["from_state"], e["to_state"]) for e in db["events"].rows_where("run_id = ?", [run_id], order_by="id")]
+    events = [
+        (e["entity"], e["from_state"], e["to_state"])
+        for e in db["events"].rows_where("run_id = ?", [run_id], order_by="id")
+    ]
     assert events[0] == ("run", None, "pending")
     assert ("stage", "pending", "running") in events and ("stage", "running", "succeeded") in events
     assert events[-1] == ("run", "running", "succeeded")
@@ -65,8 +76,13 @@ def test_success_records_every_rank_and_metrics(daemon):
 
 
 def test_empty_runtime_error_is_the_root_cause_with_type_rank_and_traceback(daemon):
-    run_id = daemon.submit(selftest_toml("empty", ranks=2, options={
-        "steps": 200, "step_time": 0.05, "fail": "raise-empty", "fail_rank": 1, "fail_at_step": 2}))
+    run_id = daemon.submit(
+        selftest_toml(
+            "empty",
+            ranks=2,
+            options={"steps": 200, "step_time": 0.05, "fail": "raise-empty", "fail_rank": 1, "fail_at_step": 2},
+        )
+    )
     run = daemon.wait_run(run_id)
     assert run["state"] == "failed"
     root = _root(run)
@@ -82,8 +98,13 @@ def test_empty_runtime_error_is_the_root_cause_with_type_rank_and_traceback(daem
 
 def test_a_failed_stage_keeps_what_it_recorded_before_failing(daemon):
     """evaluate writes its figures, then fails on a lossless mismatch: the figures are kept."""
-    run_id = daemon.submit(selftest_toml("measured", ranks=1, options={
-        "steps": 5, "step_time": 0.01, "fail": "raise", "fail_at_step": 3, "summary_on_fail": True}))
+    run_id = daemon.submit(
+        selftest_toml(
+            "measured",
+            ranks=1,
+            options={"steps": 5, "step_time": 0.01, "fail": "raise", "fail_at_step": 3, "summary_on_fail": True},
+        )
+    )
     run = daemon.wait_run(run_id)
     stage = run["stages"][0]
     assert (run["state"], stage["state"]) == ("failed", "failed")
@@ -107,8 +128,13 @@ def test_sigkilled_rank_is_named_and_the_group_is_gone_within_two_seconds(daemon
 
 
 def test_segfault_leaves_the_native_stack_in_the_log(daemon):
-    run_id = daemon.submit(selftest_toml("segv", ranks=2, options={
-        "steps": 200, "step_time": 0.05, "fail": "segfault", "fail_rank": 0, "fail_at_step": 1}))
+    run_id = daemon.submit(
+        selftest_toml(
+            "segv",
+            ranks=2,
+            options={"steps": 200, "step_time": 0.05, "fail": "segfault", "fail_rank": 0, "fail_at_step": 1},
+        )
+    )
     run = daemon.wait_run(run_id)
     root = _root(run)
     assert (root["type"], root["rank"]) == ("SIGSEGV", 0)
@@ -120,8 +146,13 @@ def test_segfault_leaves_the_native_stack_in_the_log(daemon):
 
 
 def test_children_of_a_failed_rank_do_not_survive(daemon):
-    run_id = daemon.submit(selftest_toml("kids", ranks=2, options={
-        "steps": 200, "step_time": 0.05, "fail": "children", "fail_rank": 1, "fail_at_step": 1}))
+    run_id = daemon.submit(
+        selftest_toml(
+            "kids",
+            ranks=2,
+            options={"steps": 200, "step_time": 0.05, "fail": "children", "fail_rank": 1, "fail_at_step": 1},
+        )
+    )
     run = daemon.wait_run(run_id)
     assert run["state"] == "failed"
     attempt_dir = Path(run["stages"][0]["attempt_list"][0]["dir"])
@@ -165,8 +196,20 @@ def test_rank_that_died_while_the_daemon_was_down_is_settled(daemon):
 
 
 def test_retry_resumes_from_completed_work(daemon):
-    run_id = daemon.submit(selftest_toml("retry", ranks=2, options={
-        "steps": 10, "step_time": 0.02, "fail": "raise", "fail_rank": -1, "fail_at_step": 6, "fail_attempts": [1]}))
+    run_id = daemon.submit(
+        selftest_toml(
+            "retry",
+            ranks=2,
+            options={
+                "steps": 10,
+                "step_time": 0.02,
+                "fail": "raise",
+                "fail_rank": -1,
+                "fail_at_step": 6,
+                "fail_attempts": [1],
+            },
+        )
+    )
     assert daemon.wait_run(run_id)["state"] == "failed"
     out = daemon.cli("retry", run_id)
     assert out.returncode == 0, out.stderr
@@ -184,8 +227,15 @@ def test_retry_resumes_from_completed_work(daemon):
 
 
 def test_max_restarts_with_backoff_ends_failed(daemon):
-    run_id = daemon.submit(selftest_toml("flaky", ranks=1, max_restarts=2, backoff=0.2, options={
-        "steps": 5, "step_time": 0.01, "fail": "raise", "fail_rank": 0}))
+    run_id = daemon.submit(
+        selftest_toml(
+            "flaky",
+            ranks=1,
+            max_restarts=2,
+            backoff=0.2,
+            options={"steps": 5, "step_time": 0.01, "fail": "raise", "fail_rank": 0},
+        )
+    )
     run = daemon.wait_run(run_id, timeout=60)
     assert run["state"] == "failed"
     attempts = run["stages"][0]["attempt_list"]
@@ -214,10 +264,16 @@ def test_stop_skip_resume_and_illegal_transitions(daemon):
     # A finished run refuses, with the states it could have moved between.
     out = daemon.cli("retry", run_id, "--stage", "selftest")
     assert out.returncode == 1
-    assert out.stderr.strip() == f"eyas retry: run {run_id} is succeeded; it cannot become pending (from succeeded: none: it is final)"
+    assert (
+        out.stderr.strip()
+        == f"eyas retry: run {run_id} is succeeded; it cannot become pending (from succeeded: none: it is final)"
+    )
     out = daemon.cli("stop", run_id)
     assert out.returncode == 1
-    assert out.stderr.strip() == f"eyas stop: run {run_id} is succeeded; it cannot become cancelled (from succeeded: none: it is final)"
+    assert (
+        out.stderr.strip()
+        == f"eyas stop: run {run_id} is succeeded; it cannot become cancelled (from succeeded: none: it is final)"
+    )
     out = daemon.cli("skip", run_id, "--stage", "nope")
     assert out.returncode == 1 and "has no stage 'nope' (its stages: selftest)" in out.stderr
 
@@ -249,15 +305,24 @@ def test_stacks_of_a_hung_stage_are_printed_and_the_ranks_live_on(daemon):
     daemon.wait_run(run_id)
     out = daemon.cli("stacks", run_id)
     assert out.returncode == 1
-    assert out.stderr.strip() == (f"eyas stacks: run {run_id} has no running stage: only live ranks have "
-                                  f"stacks (a failed rank's traceback: eyas errors {run_id})")
+    assert out.stderr.strip() == (
+        f"eyas stacks: run {run_id} has no running stage: only live ranks have "
+        f"stacks (a failed rank's traceback: eyas errors {run_id})"
+    )
 
 
 def test_a_stage_that_goes_quiet_fails_as_stalled_with_the_stacks_and_restarts(daemon):
     # Rank 1 hangs in attempt 1 only; rank 0 finishes its steps and exits. Nothing is written
     # after that, so after stall_timeout the attempt fails, and the restart succeeds.
-    run_id = daemon.submit(selftest_toml("stall", ranks=2, max_restarts=1, stall_timeout=2, options={
-        "steps": 5, "fail": "hang", "fail_rank": 1, "fail_attempts": [1]}))
+    run_id = daemon.submit(
+        selftest_toml(
+            "stall",
+            ranks=2,
+            max_restarts=1,
+            stall_timeout=2,
+            options={"steps": 5, "fail": "hang", "fail_rank": 1, "fail_attempts": [1]},
+        )
+    )
     run = daemon.wait_run(run_id, timeout=60)
     assert run["state"] == "succeeded", run
     first, second = run["stages"][0]["attempt_list"]
@@ -269,8 +334,11 @@ def test_a_stage_that_goes_quiet_fails_as_stalled_with_the_stacks_and_restarts(d
     root = first["root_cause"]
     pid = next(r["pid"] for r in first["ranks"] if r["rank"] == 1)
     assert (root["type"], root["rank"], root["pid"], root["source"]) == ("Stalled", 1, pid, "stall")
-    assert re.fullmatch(r"no rank wrote a log line or progress for [23] s \(stages\.selftest\.stall_timeout = 2\); "
-                        r"the live ranks' stacks follow", root["message"]), root["message"]
+    assert re.fullmatch(
+        r"no rank wrote a log line or progress for [23] s \(stages\.selftest\.stall_timeout = 2\); "
+        r"the live ranks' stacks follow",
+        root["message"],
+    ), root["message"]
     assert root["traceback"].startswith(f"rank 1 (pid {pid}):\nCurrent thread 0x"), root["traceback"]
     assert 'selftest.py", line' in root["traceback"] and " in _fail\n" in root["traceback"]
     assert "rank 0" not in root["traceback"]  # it had exited: nothing to say about it
@@ -293,20 +361,29 @@ def test_a_process_is_signalled_only_once_it_catches_sigusr1():
     from eyas.daemon.stacks import catches
 
     plain = subprocess.Popen(["sleep", "30"])
-    ready = subprocess.Popen([sys.executable, "-c", "import faulthandler, signal, sys, time; "
-                              "faulthandler.register(signal.SIGUSR1); print('ok', flush=True); time.sleep(30)"],
-                             stdout=subprocess.PIPE, text=True)
+    ready = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import faulthandler, signal, sys, time; "
+            "faulthandler.register(signal.SIGUSR1); print('ok', flush=True); time.sleep(30)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert ready.stdout.readline() == "ok\n"
         assert catches(ready.pid) and not catches(plain.pid)
-        assert not catches(2 ** 22 + 7)  # no such pid
+        assert not catches(2**22 + 7)  # no such pid
     finally:
         plain.kill()
         ready.kill()
 
 
 def test_runs_needing_the_same_devices_queue(daemon):
-    a = daemon.submit(selftest_toml("gpu-a", ranks=1, devices="[0]", options={"steps": 20, "step_time": 0.05}), "a.toml")
+    a = daemon.submit(
+        selftest_toml("gpu-a", ranks=1, devices="[0]", options={"steps": 20, "step_time": 0.05}), "a.toml"
+    )
     b = daemon.submit(selftest_toml("gpu-b", ranks=1, devices="[0]", options={"steps": 5, "step_time": 0.05}), "b.toml")
     ra, rb = daemon.wait_run(a), daemon.wait_run(b)
     assert ra["state"] == rb["state"] == "succeeded"
@@ -335,12 +412,13 @@ def test_another_uid_is_refused_and_garbage_leaves_the_daemon_serving(daemon):
         "import os, socket, sys\n"
         "os.setgid(65534); os.setuid(65534)\n"
         "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
-        "try:\n    s.sendall(b'{\"v\":1,\"id\":1,\"op\":\"ping\"}\\n')\n"
+        'try:\n    s.sendall(b\'{"v":1,"id":1,"op":"ping"}\\n\')\n'
         "except BrokenPipeError:\n    pass  # refused at once: the reply is already waiting\n"
         "print(s.makefile().readline())\n"
     )
     import subprocess
     import sys as _sys
+
     out = subprocess.run([_sys.executable, "-c", code, str(sock)], capture_output=True, text=True, timeout=30)
     for p, mode in modes.items():
         os.chmod(p, mode)
@@ -350,8 +428,13 @@ def test_another_uid_is_refused_and_garbage_leaves_the_daemon_serving(daemon):
     assert reply["ok"] is False and reply["error"]["code"] == "forbidden"
     assert "uid 65534" in reply["error"]["message"]
 
-    for junk in (b"\x00\xff garbage\n", b"[1,2]\n", b'{"v":1,"id":1,"op":"nope"}\n', b"x" * (2 << 20) + b"\n",
-                 b'{"v":1,"id":2,"op":"ping"'):
+    for junk in (
+        b"\x00\xff garbage\n",
+        b"[1,2]\n",
+        b'{"v":1,"id":1,"op":"nope"}\n',
+        b"x" * (2 << 20) + b"\n",
+        b'{"v":1,"id":2,"op":"ping"',
+    ):
         s = socket.socket(socket.AF_UNIX)
         s.connect(str(sock))
         s.sendall(junk)
@@ -408,8 +491,14 @@ def test_one_daemon_per_state_directory_and_stale_socket(tmp_path, monkeypatch):
         second = Daemon(home)
         import subprocess
         import sys as _sys
-        out = subprocess.run([_sys.executable, "-m", "eyas.daemon.main", "--home", str(home)], env=second.env,
-                             capture_output=True, text=True, timeout=30)
+
+        out = subprocess.run(
+            [_sys.executable, "-m", "eyas.daemon.main", "--home", str(home)],
+            env=second.env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert out.returncode == 1 and "already runs for" in out.stderr
         first.kill9()
         assert first.socket.exists()  # left behind by SIGKILL
@@ -453,8 +542,17 @@ def test_gpu_path_against_a_fake_nvml(monkeypatch):
     monkeypatch.setenv("EYAS_HOME", str(home))
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(home / "rt"))
     fake = home / "nvml.json"
-    devices = [{"name": "NVIDIA H200", "uuid": f"GPU-{i}", "mem_total": 150 * 2**30, "mem_used": 2**30,
-                "util": 10, "processes": []} for i in range(2)]
+    devices = [
+        {
+            "name": "NVIDIA H200",
+            "uuid": f"GPU-{i}",
+            "mem_total": 150 * 2**30,
+            "mem_used": 2**30,
+            "util": 10,
+            "processes": [],
+        }
+        for i in range(2)
+    ]
     fake.write_text(json.dumps({"devices": devices}))
     d = Daemon(home, extra_env={"EYAS_FAKE_NVML": str(fake)}).start()
     try:
@@ -505,8 +603,13 @@ def test_submit_follow_streams_until_the_run_ends(daemon):
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("run 1 submitted: selftest")
     assert "run 1 follow: succeeded" in out.stdout
-    path.write_text(selftest_toml("follow-fail", ranks=2, options={
-        "steps": 20, "step_time": 0.05, "fail": "raise", "fail_rank": 1, "fail_at_step": 3}))
+    path.write_text(
+        selftest_toml(
+            "follow-fail",
+            ranks=2,
+            options={"steps": 20, "step_time": 0.05, "fail": "raise", "fail_rank": 1, "fail_at_step": 3},
+        )
+    )
     out = daemon.cli("submit", "-f", path, timeout=120)
     assert out.returncode == 1
     assert "run 2 follow-fail: failed" in out.stdout
@@ -524,7 +627,7 @@ async def test_an_internal_error_in_an_op_is_not_passed_off_as_the_callers_mista
     assert (err.value.code, str(err.value)) == (protocol.NOT_FOUND, "no run 7")
 
     def broken(run):
-        return {}["a key eyas itself forgot"]       # a bug inside the op, not a missing run
+        return {}["a key eyas itself forgot"]  # a bug inside the op, not a missing run
 
     c.op_resume = broken
     with pytest.raises(KeyError, match="a key eyas itself forgot"):

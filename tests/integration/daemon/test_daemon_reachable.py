@@ -60,11 +60,15 @@ def _cli(env: dict, *args, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([EYAS, *map(str, args)], env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("removed, client_xdg", [
-    ("root", True),   # logout: $XDG_RUNTIME_DIR itself is gone
-    ("own", True),    # a cleaner removed the daemon's <hash> directory
-    ("own", False),   # ... and the client (cron, another SSH session) has no XDG_RUNTIME_DIR
-], ids=["xdg-root-removed", "own-dir-removed", "own-dir-removed-client-without-xdg"])
+@pytest.mark.parametrize(
+    "removed, client_xdg",
+    [
+        ("root", True),  # logout: $XDG_RUNTIME_DIR itself is gone
+        ("own", True),  # a cleaner removed the daemon's <hash> directory
+        ("own", False),  # ... and the client (cron, another SSH session) has no XDG_RUNTIME_DIR
+    ],
+    ids=["xdg-root-removed", "own-dir-removed", "own-dir-removed-client-without-xdg"],
+)
 def test_the_daemon_stays_reachable_and_single_when_its_runtime_dir_is_removed(home, removed, client_xdg):
     d = Daemon(home).start()
     try:
@@ -82,8 +86,12 @@ def test_the_daemon_stays_reachable_and_single_when_its_runtime_dir_is_removed(h
         env = {**d.env, "TZ": "UTC"}
         if not client_xdg:
             env.pop("XDG_RUNTIME_DIR")
-        status = wait_for(lambda: (out := _cli(env, "daemon", "status", "--json")).returncode == 0 and out,
-                          REACHABLE_WITHIN_S, interval=0.1, what="`eyas daemon status` to find the daemon")
+        status = wait_for(
+            lambda: (out := _cli(env, "daemon", "status", "--json")).returncode == 0 and out,
+            REACHABLE_WITHIN_S,
+            interval=0.1,
+            what="`eyas daemon status` to find the daemon",
+        )
         answered = time.monotonic() - gone_at
         print(f"status answered {answered:.2f} s after the runtime directory was removed")
         info = json.loads(status.stdout)
@@ -103,8 +111,10 @@ def test_the_daemon_stays_reachable_and_single_when_its_runtime_dir_is_removed(h
             assert now.parent.parent != TMP_ROOT
 
         again = _cli(env, "daemon", "start")
-        assert (again.returncode, again.stdout.strip()) == (0, f"eyas daemon already running (pid {d.proc.pid}) "
-                                                                f"for {home}"), again.stderr
+        assert (again.returncode, again.stdout.strip()) == (
+            0,
+            f"eyas daemon already running (pid {d.proc.pid}) for {home}",
+        ), again.stderr
         assert [p.pid for p in daemons_of(home)] == [d.proc.pid]
 
         run = d.wait_run(run_id, timeout=60)
@@ -124,8 +134,13 @@ def test_the_lock_lives_in_the_state_directory(home):
         assert paths.lock_path(home) == home / "daemon.lock"
         assert int(paths.lock_path(home).read_text()) == d.proc.pid
         shutil.rmtree(home / "rt")
-        second = subprocess.Popen([sys.executable, "-m", "eyas.daemon.main", "--home", str(home)], env=d.env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        second = subprocess.Popen(
+            [sys.executable, "-m", "eyas.daemon.main", "--home", str(home)],
+            env=d.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             out, err = second.communicate(timeout=30)
         except subprocess.TimeoutExpired:
@@ -141,8 +156,12 @@ def test_the_lock_lives_in_the_state_directory(home):
 def test_racing_starts_give_one_daemon(home):
     env = {**os.environ, "TZ": "UTC"}
     for round_ in range(4):
-        starts = [subprocess.Popen([EYAS, "daemon", "start"], env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        starts = [
+            subprocess.Popen(
+                [EYAS, "daemon", "start"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            for _ in range(2)
+        ]
         outs = [p.communicate(timeout=60) for p in starts]
         daemons = daemons_of(home)
         try:
@@ -150,8 +169,10 @@ def test_racing_starts_give_one_daemon(home):
             pid = daemons[0].pid
             assert [p.returncode for p in starts] == [0, 0], (round_, outs)
             firsts = sorted(out.splitlines()[0] for out, _ in outs)
-            assert firsts == [f"eyas daemon already running (pid {pid}) for {home}",
-                              f"eyas daemon started (pid {pid})"], (round_, outs)
+            assert firsts == [
+                f"eyas daemon already running (pid {pid}) for {home}",
+                f"eyas daemon started (pid {pid})",
+            ], (round_, outs)
         finally:
             stop = _cli(env, "daemon", "stop")
             assert stop.returncode == 0, stop.stderr
@@ -175,5 +196,6 @@ def test_a_daemon_that_does_not_answer_is_one_line_not_a_traceback(home):
     assert out.returncode == 1, out
     assert "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [
-        f"eyas daemon: the daemon did not answer in time on {path}; it is busy or stuck: see {home / 'daemon.log'}"]
-    assert waited < 30      # the client's own request limit, not a hang
+        f"eyas daemon: the daemon did not answer in time on {path}; it is busy or stuck: see {home / 'daemon.log'}"
+    ]
+    assert waited < 30  # the client's own request limit, not a hang

@@ -36,12 +36,13 @@ def small_home(monkeypatch):
     base = short_tmp()
     home = base / "home"
     home.mkdir()
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SIZE_MB}m", "tmpfs", str(home)],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={SIZE_MB}m", "tmpfs", str(home)], capture_output=True, text=True
+    )
     if out.returncode != 0:
         shutil.rmtree(base, ignore_errors=True)
         pytest.skip(f"mounting a {SIZE_MB} MB tmpfs is not permitted here (needs root): {out.stderr.strip()}")
-    (base / "rt").mkdir(mode=0o700)       # the socket lives off the full disk, as under /run/user
+    (base / "rt").mkdir(mode=0o700)  # the socket lives off the full disk, as under /run/user
     monkeypatch.setenv("EYAS_HOME", str(home))
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(base / "rt"))
     try:
@@ -59,18 +60,28 @@ def _status(d: Daemon) -> dict:
 def test_a_full_state_directory_fails_the_attempt_with_enospc_and_starts_nothing(small_home):
     d = Daemon(small_home).start()
     try:
-        run_id = d.submit(selftest_toml("flood", ranks=2, max_restarts=0, options={
-            "lines_per_sec": 20000, "duration": 120, "step_time": 0.05}))
-        pids = wait_for(lambda: (p := [r["pid"] for r in d.ranks(run_id)]) and len(p) == 2 and all(p) and p,
-                        30, what="rank pids")
+        run_id = d.submit(
+            selftest_toml(
+                "flood", ranks=2, max_restarts=0, options={"lines_per_sec": 20000, "duration": 120, "step_time": 0.05}
+            )
+        )
+        pids = wait_for(
+            lambda: (p := [r["pid"] for r in d.ranks(run_id)]) and len(p) == 2 and all(p) and p, 30, what="rank pids"
+        )
         st = os.statvfs(small_home)
         filler = small_home / "filler"
         with open(filler, "wb") as f:
             f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - LEFT_FOR_LOGS))
 
-        full = wait_for(lambda: (out := d.cli("daemon", "status")).returncode == 0
-                        and "state directory full: " in out.stdout and out.stdout, 60,
-                        what="daemon status to say the state directory is full")
+        full = wait_for(
+            lambda: (
+                (out := d.cli("daemon", "status")).returncode == 0
+                and "state directory full: " in out.stdout
+                and out.stdout
+            ),
+            60,
+            what="daemon status to say the state directory is full",
+        )
         assert "ENOSPC while" in full, full
         wait_for(lambda: not any(_alive(p) for p in pids), 60, what="the ranks to end on the full disk")
         # While the disk is full: no attempt beyond the first, whatever was or was not written.
@@ -100,7 +111,7 @@ def test_a_full_state_directory_fails_the_attempt_with_enospc_and_starts_nothing
         print(f"status while full: {full.strip()}\nattempt state just before space returned: {state_while_full}")
 
         stage = run["stages"][0]
-        (attempt,) = stage["attempt_list"]          # max_restarts = 0: nothing unrequested started
+        (attempt,) = stage["attempt_list"]  # max_restarts = 0: nothing unrequested started
         root = attempt["root_cause"]
         assert (stage["state"], attempt["state"]) == ("failed", "failed")
         assert root["type"] == "ENOSPC" and root["message"].startswith("ENOSPC while writing rank-"), root
@@ -138,7 +149,7 @@ async def test_the_tui_says_the_state_directory_is_full_while_it_is(small_home):
             assert not banner.has_class("full")
             st = os.statvfs(small_home)
             filler = small_home / "filler"
-            with open(filler, "wb") as f:      # all but half a MiB: under the daemon's 1 MiB floor
+            with open(filler, "wb") as f:  # all but half a MiB: under the daemon's 1 MiB floor
                 f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - (512 << 10)))
             await until(pilot, lambda: banner.has_class("full"), timeout=20, what="the full-disk banner")
             text = str(banner.render())

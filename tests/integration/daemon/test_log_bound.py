@@ -16,7 +16,7 @@ from eyas.wire.client import Client
 
 LINE = re.compile(r"r0 line (\d+) @")
 MARK = "eyas: ··· cut "
-RATE = 40_000          # lines/s, ~30 bytes each: about 1.2 MB/s, so a 2 MiB bound is passed every ~2 s
+RATE = 40_000  # lines/s, ~30 bytes each: about 1.2 MB/s, so a 2 MiB bound is passed every ~2 s
 # The bound may be passed by what is written between two of the monitor's looks (0.5 s);
 # a loaded machine can delay a look, so allow a whole second's flood.
 SLACK = RATE * 32
@@ -31,18 +31,20 @@ def _attempt_dir(d, run_id: int) -> Path:
         stages = d.run(run_id)["stages"]
         attempts = stages[0]["attempt_list"] if stages else []
         return attempts and attempts[0].get("dir")
+
     got = Path(wait_for(found, 30, what="the attempt's folder"))
     return got if got.is_absolute() else d.home / got
 
 
 def _after_last_mark(lines: list[str]) -> list[str]:
     last = max(i for i, line in enumerate(lines) if line.startswith(MARK))
-    return lines[last + 1:]
+    return lines[last + 1 :]
 
 
 def test_a_flooding_rank_log_is_cut_at_its_bound_and_every_reader_goes_on(daemon):
-    run_id = daemon.submit(selftest_toml("flood", ranks=1, log_max_mb=2, options={
-        "lines_per_sec": RATE, "duration": 7, "step_time": 0.1}))
+    run_id = daemon.submit(
+        selftest_toml("flood", ranks=1, log_max_mb=2, options={"lines_per_sec": RATE, "duration": 7, "step_time": 0.1})
+    )
     directory = _attempt_dir(daemon, run_id)
     log = directory / "rank-0.log"
 
@@ -56,11 +58,17 @@ def test_a_flooding_rank_log_is_cut_at_its_bound_and_every_reader_goes_on(daemon
                 got.append(ev.data["text"])
                 if "wrote " in ev.data["text"] or done.is_set():
                     return
+
     sub = threading.Thread(target=subscribe, daemon=True)
     sub.start()
-    follow = subprocess.Popen([EYAS, "logs", str(run_id), "-f"], env={**daemon.env, "TZ": "UTC"},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    followed: list[str] = []   # drained as it comes: a full pipe would hold -f back past several cuts
+    follow = subprocess.Popen(
+        [EYAS, "logs", str(run_id), "-f"],
+        env={**daemon.env, "TZ": "UTC"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    followed: list[str] = []  # drained as it comes: a full pipe would hold -f back past several cuts
     drain = threading.Thread(target=lambda: followed.extend(follow.stdout), daemon=True)
     drain.start()
     sizes = []
@@ -107,7 +115,7 @@ def test_a_flooding_rank_log_is_cut_at_its_bound_and_every_reader_goes_on(daemon
 def test_split_logs_are_cut_at_the_bound_the_driver_monitor_recorded(tmp_path):
     raw = tmp_path / "rank-0.log"
     raw.write_bytes(b"")
-    Bound(raw, 4096, "stages.extract.log_max_mb = 0.004").record()   # as the monitor does at start
+    Bound(raw, 4096, "stages.extract.log_max_mb = 0.004").record()  # as the monitor does at start
     splitter = LogSplitter(raw, tmp_path / "rank-0.split.json")
     with open(raw, "ab") as f:
         for n in range(2000):
@@ -143,8 +151,11 @@ async def test_the_logs_screen_following_a_log_that_gets_cut_shows_the_marker_an
     from eyas.tui.screens.run import RunScreen
     from eyas.tui.widgets.logview import LogView
 
-    run_id = daemon.submit(selftest_toml("tui-cut", ranks=1, log_max_mb=1, options={
-        "lines_per_sec": 20_000, "duration": 10, "step_time": 0.1}))
+    run_id = daemon.submit(
+        selftest_toml(
+            "tui-cut", ranks=1, log_max_mb=1, options={"lines_per_sec": 20_000, "duration": 10, "step_time": 0.1}
+        )
+    )
     app = EyasApp(daemon.home, socket=daemon.socket, run_id=run_id)
     async with app.run_test(size=(120, 40)) as pilot:
         screen = await until(pilot, lambda: isinstance(app.screen, RunScreen) and app.screen, what="the run screen")
@@ -156,8 +167,12 @@ async def test_the_logs_screen_following_a_log_that_gets_cut_shows_the_marker_an
         before = await until(pilot, shown, timeout=30, what="flood lines")
         # The log is cut while followed: the screen says so, the marker is among its lines,
         # and the view goes on with lines written after the cut.
-        told = await until(pilot, lambda: [n.message for n in app._notifications if "was cut" in n.message],
-                           timeout=30, what="the cut to be told")
+        told = await until(
+            pilot,
+            lambda: [n.message for n in app._notifications if "was cut" in n.message],
+            timeout=30,
+            what="the cut to be told",
+        )
         assert "rank-0.log was cut at its bound" in told[0]
         await until(pilot, lambda: (n := shown()) and min(n) > max(before), timeout=30, what="lines after the cut")
         rows = view.model.rows(0, view.model.total())

@@ -76,18 +76,35 @@ def test_a_deleted_database_never_sends_a_new_run_into_an_old_runs_folder(daemon
 def test_a_planted_error_file_of_another_process_is_ignored(daemon):
     run_id = daemon.submit(selftest_toml("planted", ranks=1, options={"steps": 20, "step_time": 0.1}))
     # The attempt is recorded just before its folder is made: wait for the rank's log in it.
-    attempt_dir = wait_for(lambda: (a := daemon.run(run_id)["stages"][0]["attempt_list"])
-                           and (Path(a[0]["dir"]) / "rank-0.log").exists() and Path(a[0]["dir"]),
-                           30, what="the attempt to start")
-    stale = {"type": "RuntimeError", "message": "stale error of another run", "traceback": "Traceback ...",
-             "rank": 0, "pid": 1, "time": time.time(), "stage": "selftest", "attempt": 1}
+    attempt_dir = wait_for(
+        lambda: (
+            (a := daemon.run(run_id)["stages"][0]["attempt_list"])
+            and (Path(a[0]["dir"]) / "rank-0.log").exists()
+            and Path(a[0]["dir"])
+        ),
+        30,
+        what="the attempt to start",
+    )
+    stale = {
+        "type": "RuntimeError",
+        "message": "stale error of another run",
+        "traceback": "Traceback ...",
+        "rank": 0,
+        "pid": 1,
+        "time": time.time(),
+        "stage": "selftest",
+        "attempt": 1,
+    }
     (attempt_dir / "rank-0.error.json").write_text(json.dumps(stale))
     run = daemon.wait_run(run_id)
     assert run["state"] == "succeeded", run["reason"]
     assert [(r["state"], r["exit_code"]) for r in _attempt(run)["ranks"]] == [("exited", 0)]
     assert _attempt(run)["root_cause"] is None
-    ignored = [line for line in (daemon.home / "daemon.log").read_text().splitlines()
-               if "ignoring" in line and "rank-0.error.json" in line]
+    ignored = [
+        line
+        for line in (daemon.home / "daemon.log").read_text().splitlines()
+        if "ignoring" in line and "rank-0.error.json" in line
+    ]
     assert len(ignored) == 1 and "its pid 1 is not" in ignored[0]
 
 
@@ -98,7 +115,7 @@ def test_a_retry_after_an_older_database_came_back_gets_a_folder_of_its_own(daem
     taken = Path(_attempt(run)["dir"]).with_name("attempt-2")
     taken.mkdir()
     (taken / "rank-0.log").write_text("another history's attempt 2\n")
-    assert daemon.cli("retry", run_id).returncode == 0      # the run is pending again when it returns
+    assert daemon.cli("retry", run_id).returncode == 0  # the run is pending again when it returns
     run = daemon.wait_run(run_id)
     assert run["stages"][0]["attempts"] == 2
     second = _attempt(run, 2)
@@ -114,8 +131,17 @@ def test_spawn_refuses_an_attempt_directory_that_exists(tmp_path):
     existing.mkdir()
     (existing / "rank-0.log").write_text("someone else's\n")
     with pytest.raises(FileExistsError, match="already exists"):
-        Group.spawn(run_id=1, stage="selftest", attempt_id=1, attempt=1, dir=existing, world_size=1, devices=[],
-                    output_dir=tmp_path / "out", config_path=None)
+        Group.spawn(
+            run_id=1,
+            stage="selftest",
+            attempt_id=1,
+            attempt=1,
+            dir=existing,
+            world_size=1,
+            devices=[],
+            output_dir=tmp_path / "out",
+            config_path=None,
+        )
     assert _files(existing) == {"rank-0.log": b"someone else's\n"}
 
 
@@ -131,22 +157,26 @@ def test_settle_trusts_only_records_of_the_rank_s_own_process(tmp_path, caplog):
     group.ranks = [Rank(0, tmp_path / "rank-0.log", p.pid, None, p, pid=p.pid)]
     now = time.time()
     # Another process's exit and error records, and this process's record of another attempt.
-    (tmp_path / "rank-0.exit.json").write_text(json.dumps({"pid": p.pid + 1, "exit_code": 3, "signal": None,
-                                                             "time": now}))
-    (tmp_path / "rank-0.error.json").write_text(json.dumps({"type": "RuntimeError", "message": "stale",
-                                                              "pid": p.pid, "stage": "selftest", "attempt": 1,
-                                                              "time": now}))
+    (tmp_path / "rank-0.exit.json").write_text(
+        json.dumps({"pid": p.pid + 1, "exit_code": 3, "signal": None, "time": now})
+    )
+    (tmp_path / "rank-0.error.json").write_text(
+        json.dumps(
+            {"type": "RuntimeError", "message": "stale", "pid": p.pid, "stage": "selftest", "attempt": 1, "time": now}
+        )
+    )
     _, (ex,) = group.poll()
-    assert (ex.exit_code, ex.error, ex.failed) == (0, None, False)   # the monitor's own status
+    assert (ex.exit_code, ex.error, ex.failed) == (0, None, False)  # the monitor's own status
     assert f"its pid {p.pid + 1} is not {p.pid}" in caplog.text
     assert "rank-0.error.json: it is attempt 1's" in caplog.text
 
     # The same files written by the rank's own process in this attempt are its record.
-    (tmp_path / "rank-0.exit.json").write_text(json.dumps({"pid": p.pid, "exit_code": 1, "signal": None,
-                                                             "time": now}))
-    (tmp_path / "rank-0.error.json").write_text(json.dumps({"type": "RuntimeError", "message": "mine",
-                                                              "pid": p.pid, "stage": "selftest", "attempt": 2,
-                                                              "time": now}))
+    (tmp_path / "rank-0.exit.json").write_text(json.dumps({"pid": p.pid, "exit_code": 1, "signal": None, "time": now}))
+    (tmp_path / "rank-0.error.json").write_text(
+        json.dumps(
+            {"type": "RuntimeError", "message": "mine", "pid": p.pid, "stage": "selftest", "attempt": 2, "time": now}
+        )
+    )
     ex = group._settle(group.ranks[0], 1)
     assert (ex.exit_code, ex.error["message"], ex.failed) == (1, "mine", True)
 
@@ -163,8 +193,9 @@ def test_a_tp_worker_s_error_record_must_be_its_own(tmp_path):
     group = Group(1, "extract", 1, 1, tmp_path, 1, [], 0)
     worker = Rank(1, tmp_path / "tp-0.log", 0, None, pid=p.pid, role="tp-worker", tp_rank=0)
     group.workers[0] = worker
-    (tmp_path / "tp-0.error.json").write_text(json.dumps({"type": "AttributeError", "message": "stale",
-                                                            "pid": p.pid + 1, "time": time.time()}))
+    (tmp_path / "tp-0.error.json").write_text(
+        json.dumps({"type": "AttributeError", "message": "stale", "pid": p.pid + 1, "time": time.time()})
+    )
     (ex,) = group._poll_tp()
     assert ex.error is None and ex.tp_rank == 0
 
@@ -175,15 +206,16 @@ def test_recovery_reads_only_the_rank_s_own_error_file(tmp_path):
     attempt_dir = tmp_path / "runs" / str(run_id) / "selftest" / "attempt-1"
     attempt_dir.mkdir(parents=True)
     attempt_id, _ = store.new_attempt(db, run_id, "selftest", dir=str(attempt_dir), world_size=1)
-    store.upsert_rank(db, attempt_id, 0, pid=4242, monitor_pid=4241, state="failed", exit_code=1,
-                      ended_at=time.time())
-    (attempt_dir / "rank-0.error.json").write_text(json.dumps({"type": "RuntimeError", "message": "stale",
-                                                                 "pid": 999, "time": time.time()}))
+    store.upsert_rank(db, attempt_id, 0, pid=4242, monitor_pid=4241, state="failed", exit_code=1, ended_at=time.time())
+    (attempt_dir / "rank-0.error.json").write_text(
+        json.dumps({"type": "RuntimeError", "message": "stale", "pid": 999, "time": time.time()})
+    )
     core = daemon_core.Core(db, tmp_path)
     asyncio.run(core.recover())
     assert core.groups[attempt_id].ranks[0].exit.error is None
-    (attempt_dir / "rank-0.error.json").write_text(json.dumps({"type": "RuntimeError", "message": "mine",
-                                                                 "pid": 4242, "time": time.time()}))
+    (attempt_dir / "rank-0.error.json").write_text(
+        json.dumps({"type": "RuntimeError", "message": "mine", "pid": 4242, "time": time.time()})
+    )
     core = daemon_core.Core(db, tmp_path)
     asyncio.run(core.recover())
     assert core.groups[attempt_id].ranks[0].exit.error["message"] == "mine"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from eyas.state import integrity, paths, store
 
-RUNS = 400          # enough rows that the runs table spans many b-tree pages
+RUNS = 400  # enough rows that the runs table spans many b-tree pages
 
 
 def make_home(home: Path) -> Path:
@@ -28,7 +28,7 @@ def make_home(home: Path) -> Path:
 
 def damage_header(path: Path) -> None:
     with open(path, "r+b") as f:
-        f.write(b"\xa5" * 100)      # the 100-byte header, magic string included
+        f.write(b"\xa5" * 100)  # the 100-byte header, magic string included
 
 
 def damage_page(path: Path) -> int:
@@ -41,13 +41,13 @@ def damage_page(path: Path) -> int:
     root = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'runs'").fetchone()[0]
     conn.close()
     data = path.read_bytes()
-    page = data[(root - 1) * page_size: root * page_size]
-    assert page[0] == 0x05, "the runs table fits one page: add rows"   # an interior table b-tree page
+    page = data[(root - 1) * page_size : root * page_size]
+    assert page[0] == 0x05, "the runs table fits one page: add rows"  # an interior table b-tree page
     first_cell = int.from_bytes(page[12:14], "big")
-    child = int.from_bytes(page[first_cell:first_cell + 4], "big")
-    leaf = data[(child - 1) * page_size: child * page_size]
-    assert leaf[0] == 0x0D                                      # a leaf table b-tree page
-    cells = int.from_bytes(leaf[5:7], "big")                    # where its cell content starts
+    child = int.from_bytes(page[first_cell : first_cell + 4], "big")
+    leaf = data[(child - 1) * page_size : child * page_size]
+    assert leaf[0] == 0x0D  # a leaf table b-tree page
+    cells = int.from_bytes(leaf[5:7], "big")  # where its cell content starts
     with open(path, "r+b") as f:
         f.seek((child - 1) * page_size + cells)
         f.write(b"\xa5" * (page_size - cells))
@@ -56,8 +56,13 @@ def damage_page(path: Path) -> int:
 
 def daemon_main(home: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "EYAS_HOME"}
-    return subprocess.run([sys.executable, "-m", "eyas.daemon.main", "--home", str(home), "--grace", "1"],
-                          capture_output=True, text=True, timeout=60, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "eyas.daemon.main", "--home", str(home), "--grace", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
 
 
 def assert_one_line(p: subprocess.CompletedProcess, prefix: str, path: Path, detail: str) -> None:
@@ -74,7 +79,7 @@ def test_a_damaged_header_is_one_line_for_the_daemon_and_every_history_command(t
     path = make_home(tmp_path)
     damage_header(path)
     assert_one_line(daemon_main(tmp_path), "eyas daemon", path, "file is not a database")
-    assert "the eyas database is damaged" in (tmp_path / "daemon.log").read_text()   # and in its log
+    assert "the eyas database is damaged" in (tmp_path / "daemon.log").read_text()  # and in its log
     for argv in (["runs"], ["runs", "--json"], ["show", "1"], ["errors", "1"], ["logs", "1"]):
         assert_one_line(eyas_cli(tmp_path, *argv), f"eyas {argv[0]}", path, "file is not a database")
 
@@ -99,10 +104,12 @@ def test_the_fix_moves_a_crashed_writers_log_too(tmp_path, eyas_cli):
     back into the file, and a new database must not inherit it, so the fix moves it as well."""
     path = make_home(tmp_path)
     damage_page(path)
-    crash = ("import os, sqlite3, sys\n"
-             "c = sqlite3.connect(sys.argv[1]); c.execute('PRAGMA wal_autocheckpoint = 0')\n"
-             "c.execute(\"INSERT INTO events (time, entity, to_state, reason) VALUES (1, 'run', 'x', 'x')\")\n"
-             "c.commit(); os._exit(0)\n")
+    crash = (
+        "import os, sqlite3, sys\n"
+        "c = sqlite3.connect(sys.argv[1]); c.execute('PRAGMA wal_autocheckpoint = 0')\n"
+        "c.execute(\"INSERT INTO events (time, entity, to_state, reason) VALUES (1, 'run', 'x', 'x')\")\n"
+        "c.commit(); os._exit(0)\n"
+    )
     subprocess.run([sys.executable, "-c", crash, str(path)], check=True, timeout=60)
     wal = Path(f"{path}-wal")
     assert wal.stat().st_size > 0
@@ -113,7 +120,7 @@ def test_the_fix_moves_a_crashed_writers_log_too(tmp_path, eyas_cli):
 
 def test_a_healthy_store_opens_and_a_busy_one_is_no_damage(tmp_path):
     path = make_home(tmp_path)
-    store.open_writer(path).conn.close()        # quick_check passes on a healthy file
+    store.open_writer(path).conn.close()  # quick_check passes on a healthy file
     locked = sqlite3.OperationalError("database is locked")
-    locked.sqlite_errorcode = 5                 # SQLITE_BUSY: an OperationalError, not damage
+    locked.sqlite_errorcode = 5  # SQLITE_BUSY: an OperationalError, not damage
     assert not integrity.is_damage(locked)

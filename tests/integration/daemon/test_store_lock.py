@@ -38,13 +38,20 @@ def _alive(pid: int) -> bool:
 
 def test_a_locked_store_stalls_neither_status_nor_teardown_and_the_times_stay_real(daemon):
     # Rank 1 raises at step 200 (about 10 s in: inside the lock); rank 0 would go on for 100 s.
-    run_id = daemon.submit(selftest_toml("locked", ranks=2, options={
-        "steps": 2000, "step_time": 0.05, "fail": "raise", "fail_rank": 1, "fail_at_step": 200}))
-    pids = wait_for(lambda: (p := [r["pid"] for r in daemon.ranks(run_id)]) and len(p) == 2 and all(p) and p,
-                    30, what="rank pids")
+    run_id = daemon.submit(
+        selftest_toml(
+            "locked",
+            ranks=2,
+            options={"steps": 2000, "step_time": 0.05, "fail": "raise", "fail_rank": 1, "fail_at_step": 200},
+        )
+    )
+    pids = wait_for(
+        lambda: (p := [r["pid"] for r in daemon.ranks(run_id)]) and len(p) == 2 and all(p) and p, 30, what="rank pids"
+    )
     attempt_dir = Path(daemon.run(run_id)["stages"][0]["attempt_list"][0]["dir"])
-    locker = subprocess.Popen([sys.executable, "-c", LOCKER, str(paths.db_path(daemon.home)), str(LOCK_S)],
-                              stdout=subprocess.PIPE, text=True)
+    locker = subprocess.Popen(
+        [sys.executable, "-c", LOCKER, str(paths.db_path(daemon.home)), str(LOCK_S)], stdout=subprocess.PIPE, text=True
+    )
     locked_at = float(locker.stdout.readline())
     answers, busy_seen, down_at = [], [], None
     try:
@@ -56,7 +63,7 @@ def test_a_locked_store_stalls_neither_status_nor_teardown_and_the_times_stay_re
             if down_at is None and not any(_alive(p) for p in pids):
                 down_at = time.time()
             if down_at is None:
-                time.sleep(0.02)        # fine-grained while the teardown is awaited
+                time.sleep(0.02)  # fine-grained while the teardown is awaited
             else:
                 time.sleep(0.5)
         cli = daemon.cli("daemon", "status", timeout=30)
@@ -88,14 +95,18 @@ def test_a_locked_store_stalls_neither_status_nor_teardown_and_the_times_stay_re
     # The samples taken while locked were kept and written after it.
     db = daemon.reader()
     try:
-        during = db.execute("SELECT count(*) FROM metrics WHERE run_id = ? AND time BETWEEN ? AND ?",
-                            [run_id, locked_at + 1, error["time"]]).fetchone()[0]
+        during = db.execute(
+            "SELECT count(*) FROM metrics WHERE run_id = ? AND time BETWEEN ? AND ?",
+            [run_id, locked_at + 1, error["time"]],
+        ).fetchone()[0]
     finally:
         db.conn.close()
     assert during > 0
-    print(f"\nstatus answered {len(answers)} times in the lock, slowest {max(answers) * 1000:.0f} ms; "
-          f"teardown {down_at - error['time']:.2f} s after the failure; record at {attempt['ended_at'] - error['time']:.2f} s "
-          f"after it (lock released {released_at - error['time']:.1f} s after); {during} samples kept")
+    print(
+        f"\nstatus answered {len(answers)} times in the lock, slowest {max(answers) * 1000:.0f} ms; "
+        f"teardown {down_at - error['time']:.2f} s after the failure; record at {attempt['ended_at'] - error['time']:.2f} s "
+        f"after it (lock released {released_at - error['time']:.1f} s after); {during} samples kept"
+    )
     assert wait_for(lambda: daemon.request("status")["store_busy"] is None, 10, what="the store to be free")
 
 
@@ -113,8 +124,9 @@ async def test_the_tui_says_the_store_is_busy_while_it_is(daemon):
         banner = app.screen.query_one(Banner)
         assert not banner.has_class("busy")
         # Held until told: the 1 Hz samples meet the lock within a second or two.
-        locker = subprocess.Popen([sys.executable, "-c", LOCKER, str(paths.db_path(daemon.home)), "600"],
-                                  stdout=subprocess.PIPE, text=True)
+        locker = subprocess.Popen(
+            [sys.executable, "-c", LOCKER, str(paths.db_path(daemon.home)), "600"], stdout=subprocess.PIPE, text=True
+        )
         try:
             locker.stdout.readline()
             await until(pilot, lambda: banner.has_class("busy"), timeout=20, what="the store-busy banner")

@@ -14,9 +14,15 @@ from eyas.tui.app import EyasApp
 from eyas.tui.screens.run import RunScreen
 
 SUMMARY = {
-    "acceptance_length": 2.4567, "baseline_acceptance_length": 1.0123, "per_position": [0.71, 0.46, 0.2867],
-    "baseline_per_position": [0.0101, 0.0022, 0.0], "draft_tok_s": 7388.5, "target_tok_s": 4012.25,
-    "baseline_tok_s": 3320.0, "lossless": True, "mismatched_prompts": 0,
+    "acceptance_length": 2.4567,
+    "baseline_acceptance_length": 1.0123,
+    "per_position": [0.71, 0.46, 0.2867],
+    "baseline_per_position": [0.0101, 0.0022, 0.0],
+    "draft_tok_s": 7388.5,
+    "target_tok_s": 4012.25,
+    "baseline_tok_s": 3320.0,
+    "lossless": True,
+    "mismatched_prompts": 0,
 }
 
 
@@ -32,12 +38,25 @@ def home(tmp_path, monkeypatch):
     run = store.create_run(db, name="eval-running", model="tiny", stages=[{"name": "evaluate"}], now=world.NOW - 100)
     store.move_run(db, run, "running", "started", now=world.NOW - 90)
     store.move_stage(db, run, "evaluate", "running", "started", now=world.NOW - 90)
-    aid, _ = store.new_attempt(db, run, "evaluate", dir=str(paths.attempt_dir(run, "evaluate", 1, h)), world_size=1,
-                               now=world.NOW - 90)
+    aid, _ = store.new_attempt(
+        db, run, "evaluate", dir=str(paths.attempt_dir(run, "evaluate", 1, h)), world_size=1, now=world.NOW - 90
+    )
     store.upsert_rank(db, aid, 0, pid=4_900_100, state="running")
-    store.insert_metrics(db, [{"time": world.NOW - 30, "run_id": run, "stage": "evaluate", "attempt": 1, "rank": 0,
-                               "name": name, "value": value}
-                              for name, value in (("accept_len", 1.1823), ("target_tok_s", 863.1))])
+    store.insert_metrics(
+        db,
+        [
+            {
+                "time": world.NOW - 30,
+                "run_id": run,
+                "stage": "evaluate",
+                "attempt": 1,
+                "rank": 0,
+                "name": name,
+                "value": value,
+            }
+            for name, value in (("accept_len", 1.1823), ("target_tok_s", 863.1))
+        ],
+    )
     db.conn.close()
     return h, ids["done"], run
 
@@ -48,8 +67,12 @@ async def test_the_run_screen_shows_the_evaluate_figures(home):
     async with app.run_test(size=(160, 48)) as pilot:
         await pilot.app.push_screen(RunScreen(done))
         # The last stage that ran is selected first: evaluate.
-        await shows(pilot, app, "accept 2.46 (untrained 1.01)  ·  per position 0.71/0.46/0.29  ·  7,388 tok/s with "
-                                "the draft, 4,012 without  ·  lossless")
+        await shows(
+            pilot,
+            app,
+            "accept 2.46 (untrained 1.01)  ·  per position 0.71/0.46/0.29  ·  7,388 tok/s with "
+            "the draft, 4,012 without  ·  lossless",
+        )
 
 
 async def test_a_running_evaluate_shows_what_it_measured_so_far(home):

@@ -90,8 +90,20 @@ async def test_keys_help_and_the_command_palette_list_the_actions(home):
     async with app.run_test(size=(120, 36)) as pilot:
         screen = await until(pilot, lambda: isinstance(app.screen, RunScreen) and app.screen, what="run 2")
         titles = {c.title for c in app.get_system_commands(screen)}
-        assert {"Ranks", "Logs", "Errors", "Stop stage", "Stop run", "Retry", "Skip", "Resume", "Submit",
-                "Back", "Keys", "Quit"} <= titles
+        assert {
+            "Ranks",
+            "Logs",
+            "Errors",
+            "Stop stage",
+            "Stop run",
+            "Retry",
+            "Skip",
+            "Resume",
+            "Submit",
+            "Back",
+            "Keys",
+            "Quit",
+        } <= titles
         await pilot.press("question_mark")
         text = await shows(pilot, app, "This screen")
         assert re.search(r"S +Stop run \(not now\)", text) and re.search(r"R +Retry", text)
@@ -117,8 +129,13 @@ async def test_run_screen_shows_pipeline_progress_and_root_cause(home):
     app = _app(home, run_id=2)
     async with app.run_test(size=(160, 48)) as pilot:
         await until(pilot, lambda: isinstance(app.screen, RunScreen), what="run 2")
-        await until(pilot, lambda: "Root cause of train attempt 1: rank 1 torch.OutOfMemoryError: CUDA out of memory."
-                    in screen_text(app), what="the root cause line")
+        await until(
+            pilot,
+            lambda: (
+                "Root cause of train attempt 1: rank 1 torch.OutOfMemoryError: CUDA out of memory." in screen_text(app)
+            ),
+            what="the root cause line",
+        )
 
 
 async def test_errors_screen_root_cause_first_others_collapsed_and_copy(home):
@@ -134,8 +151,12 @@ async def test_errors_screen_root_cause_first_others_collapsed_and_copy(home):
         assert "▶ rank 3 · RuntimeError: NCCL communicator was aborted on rank 3." in text  # collapsed
         assert "dist.all_reduce(loss)" not in text
         await pilot.press("c")
-        assert app.clipboard == ("torch.OutOfMemoryError: " + world.TRACEBACK.strip().splitlines()[-1].split(": ", 1)[1]
-                                 + "\n" + world.TRACEBACK)
+        assert app.clipboard == (
+            "torch.OutOfMemoryError: "
+            + world.TRACEBACK.strip().splitlines()[-1].split(": ", 1)[1]
+            + "\n"
+            + world.TRACEBACK
+        )
         await pilot.press("l")  # the root cause's rank log, at its first error line
         logs = await until(pilot, lambda: isinstance(app.screen, LogsScreen) and app.screen, what="its log")
         view = logs.query_one(LogView)
@@ -158,19 +179,33 @@ async def test_ranks_screen_gpu_bars_and_cpu_only_note(home):
         assert rows[0][-3:] == ["6,550", "97", "11.0 GiB"]
         assert "no GPUs" not in await shows(pilot, app, "extract attempt 2")
         await app.push_screen(RanksScreen(4, "selftest"))
-        cpu = await until(pilot, lambda: app.screen is not screen and isinstance(app.screen, RanksScreen)
-                          and app.screen, what="cpu ranks")
+        cpu = await until(
+            pilot,
+            lambda: app.screen is not screen and isinstance(app.screen, RanksScreen) and app.screen,
+            what="cpu ranks",
+        )
         assert (await shows(pilot, app, "no GPUs: CPU figures only")).count("no GPUs") == 1
         assert [c.label.plain for c in cpu.query_one(DataTable).columns.values()] == [
-            "rank", "pid", "state", "exit", "tok/s (5 min)", "tok/s", "CPU %", "RSS"]
-        assert [r[:4] for r in cell_texts(cpu.query_one(DataTable))] == [["0", "40100", "■ killed", "SIGTERM"],
-                                                                         ["1", "40101", "■ killed", "SIGTERM"]]
+            "rank",
+            "pid",
+            "state",
+            "exit",
+            "tok/s (5 min)",
+            "tok/s",
+            "CPU %",
+            "RSS",
+        ]
+        assert [r[:4] for r in cell_texts(cpu.query_one(DataTable))] == [
+            ["0", "40100", "■ killed", "SIGTERM"],
+            ["1", "40101", "■ killed", "SIGTERM"],
+        ]
 
 
 async def test_ranks_screen_lists_the_processes_under_a_live_rank(home):
     """vLLM's TP workers run under rank 0: real child processes appear as sub-rows."""
-    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, time; "
-                               "subprocess.Popen(['sleep', '60']); time.sleep(60)"])
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"]
+    )
     try:
         child = world_wait(lambda: psutil.Process(parent.pid).children())[0]
         db = store.open_writer(paths.db_path(home))
@@ -181,16 +216,21 @@ async def test_ranks_screen_lists_the_processes_under_a_live_rank(home):
         adir.mkdir(parents=True)
         aid, _ = store.new_attempt(db, run_id, "selftest", dir=str(adir), world_size=1, now=world.NOW)
         store.upsert_rank(db, aid, 0, pid=parent.pid, state="running")
-        (adir / "rank-0.proc.json").write_text(json.dumps({"pid": parent.pid,
-                                                           "create_time": psutil.Process(parent.pid).create_time()}))
+        (adir / "rank-0.proc.json").write_text(
+            json.dumps({"pid": parent.pid, "create_time": psutil.Process(parent.pid).create_time()})
+        )
         db.conn.close()
         app = _app(home)
         async with app.run_test(size=(160, 40)) as pilot:
             await until(pilot, lambda: app.screen.query(DataTable), what="runs")
             await app.push_screen(RanksScreen(run_id, "selftest"))
             table = await until(pilot, lambda: isinstance(app.screen, RanksScreen) and app.screen.query_one(DataTable))
-            rows = await until(pilot, lambda: len(cell_texts(table)) == 2 and cell_texts(table), timeout=20,
-                               what="the child process row")
+            rows = await until(
+                pilot,
+                lambda: len(cell_texts(table)) == 2 and cell_texts(table),
+                timeout=20,
+                what="the child process row",
+            )
             assert rows[1][:4] == ["└", str(child.pid), "sleep", "sleeping"]
     finally:
         for p in psutil.Process(parent.pid).children(recursive=True):
@@ -273,10 +313,13 @@ def _app_width_rows(view) -> dict:
 def test_tp_workers_sit_under_their_driver_rank():
     from eyas.tui.screens.ranks import _ordered
 
-    ranks = [{"rank": 0, "role": "driver"}, {"rank": 1, "role": "driver"},
-             {"rank": 3, "role": "tp-worker", "tp_rank": 1, "parent_rank": 1},
-             {"rank": 2, "role": "tp-worker", "tp_rank": 1, "parent_rank": 0},
-             {"rank": 4}]  # a plain rank of a store without roles
+    ranks = [
+        {"rank": 0, "role": "driver"},
+        {"rank": 1, "role": "driver"},
+        {"rank": 3, "role": "tp-worker", "tp_rank": 1, "parent_rank": 1},
+        {"rank": 2, "role": "tp-worker", "tp_rank": 1, "parent_rank": 0},
+        {"rank": 4},
+    ]  # a plain rank of a store without roles
     assert [r["rank"] for r in _ordered(ranks)] == [0, 2, 1, 3, 4]
 
 

@@ -39,8 +39,7 @@ async def test_a_flood_of_events_is_delivered_whole_in_a_bounded_number_of_batch
 
 async def test_without_a_daemon_it_retries_with_growing_backoff(tmp_path):
     statuses = []
-    link = DaemonLink(tmp_path / "none.sock", statuses.append, lambda events: None, min_backoff=0.05,
-                      max_backoff=0.2)
+    link = DaemonLink(tmp_path / "none.sock", statuses.append, lambda events: None, min_backoff=0.05, max_backoff=0.2)
     task = asyncio.create_task(link.run())
     try:
         await asyncio.wait_for(link.first_attempt.wait(), 5)
@@ -58,24 +57,49 @@ async def test_without_a_daemon_it_retries_with_growing_backoff(tmp_path):
 
 def test_live_keeps_stage_figures_and_samples_and_drops_ended_stages():
     live = Live()
-    ch = live.apply([
-        Event(1, "metric", {"run_id": 4, "stage": "train", "attempt": 1, "live": {"tok_s": 10.0, "eta_s": 5.0},
-                            "samples": [{"time": 1.0, "run_id": 4, "stage": "train", "attempt": 1, "rank": 0,
-                                         "name": "loss", "value": 2.5}]}),
-        Event(1, "state", {"run_id": 7, "stage": None, "entity": "run", "to_state": "pending"}),
-    ])
+    ch = live.apply(
+        [
+            Event(
+                1,
+                "metric",
+                {
+                    "run_id": 4,
+                    "stage": "train",
+                    "attempt": 1,
+                    "live": {"tok_s": 10.0, "eta_s": 5.0},
+                    "samples": [
+                        {
+                            "time": 1.0,
+                            "run_id": 4,
+                            "stage": "train",
+                            "attempt": 1,
+                            "rank": 0,
+                            "name": "loss",
+                            "value": 2.5,
+                        }
+                    ],
+                },
+            ),
+            Event(1, "state", {"run_id": 7, "stage": None, "entity": "run", "to_state": "pending"}),
+        ]
+    )
     assert (ch.metrics, ch.runs, ch.any_state) == ({4}, {7}, True)
     assert live.stage[(4, "train")] == {"tok_s": 10.0, "eta_s": 5.0}
     assert live.last_any_rank(4, "train", 1, "loss") == 2.5
-    ch = live.apply([Event(1, "state", {"run_id": 4, "stage": "train", "entity": "stage", "to_state": "failed"}),
-                     Event(1, "overflow", {"dropped": 3})])
+    ch = live.apply(
+        [
+            Event(1, "state", {"run_id": 4, "stage": "train", "entity": "stage", "to_state": "failed"}),
+            Event(1, "overflow", {"dropped": 3}),
+        ]
+    )
     assert (4, "train") not in live.stage and ch.overflow and ch.touches(99)
 
 
 def test_eyas_tui_on_an_unknown_run_says_so_in_one_line(tmp_path):
     env = {**os.environ, "EYAS_HOME": str(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path / "rt")}
-    out = subprocess.run([EYAS, "tui", "42"], env=env, capture_output=True, text=True, timeout=60,
-                         stdin=subprocess.DEVNULL)
+    out = subprocess.run(
+        [EYAS, "tui", "42"], env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
+    )
     assert out.returncode == 1
     assert out.stderr == "eyas tui: no run 42 (see `eyas runs`)\n"
 

@@ -57,11 +57,17 @@ async def test_submit_watch_stages_open_logs_and_filter(daemon):
         logs = await until(pilot, lambda: isinstance(app.screen, LogsScreen) and app.screen, what="the logs")
         view = logs.query_one(LogView)
         step = re.compile(r"step (\d+)/80")
-        first = await until(pilot, lambda: [int(m.group(1)) for r in view.visible_rows() if (m := step.search(r.text))],
-                            what="log lines")
+        first = await until(
+            pilot,
+            lambda: [int(m.group(1)) for r in view.visible_rows() if (m := step.search(r.text))],
+            what="log lines",
+        )
         # Lines keep arriving while following: the last visible step moves on.
-        await until(pilot, lambda: any(int(m.group(1)) > max(first) + 5 for r in view.visible_rows()
-                                       if (m := step.search(r.text))), what="new lines")
+        await until(
+            pilot,
+            lambda: any(int(m.group(1)) > max(first) + 5 for r in view.visible_rows() if (m := step.search(r.text))),
+            what="new lines",
+        )
         assert view.follow
 
         await pilot.press("slash")
@@ -73,8 +79,11 @@ async def test_submit_watch_stages_open_logs_and_filter(daemon):
         assert [int(step.search(t).group(1)) for t in texts] == list(range(10, 10 + len(texts)))
 
         await pilot.press("2")  # rank 2's log, same filter
-        rows = await until(pilot, lambda: logs.rank == 2 and len(view.visible_rows()) >= 5 and view.visible_rows(),
-                           what="rank 2's lines")
+        rows = await until(
+            pilot,
+            lambda: logs.rank == 2 and len(view.visible_rows()) >= 5 and view.visible_rows(),
+            what="rank 2's lines",
+        )
         assert {r.rank for r in rows} == {2} and all(re.search(r"step 1\d/80", r.text) for r in rows)
 
         await pilot.press("escape")  # clears the filter
@@ -85,9 +94,20 @@ async def test_submit_watch_stages_open_logs_and_filter(daemon):
 
 
 async def test_failing_rank_root_cause_then_retry_and_stop(daemon):
-    run_id = daemon.submit(selftest_toml("tui-fail", ranks=3, options={
-        "steps": 600, "step_time": 0.05, "fail": "raise", "fail_rank": 1, "fail_at_step": 3,
-        "fail_attempts": [1]}))
+    run_id = daemon.submit(
+        selftest_toml(
+            "tui-fail",
+            ranks=3,
+            options={
+                "steps": 600,
+                "step_time": 0.05,
+                "fail": "raise",
+                "fail_rank": 1,
+                "fail_at_step": 3,
+                "fail_attempts": [1],
+            },
+        )
+    )
     app = EyasApp(daemon.home, socket=daemon.socket, run_id=run_id)
     async with app.run_test(size=SIZE) as pilot:
         screen = await until(pilot, lambda: isinstance(app.screen, RunScreen) and app.screen, what="the run screen")
@@ -97,8 +117,12 @@ async def test_failing_rank_root_cause_then_retry_and_stop(daemon):
         await pilot.press("e")
         errors = await until(pilot, lambda: isinstance(app.screen, ErrorsScreen) and app.screen, what="errors")
         root = errors.root
-        assert (root["rank"], root["type"], root["message"], root["root_cause"]) == (1, "RuntimeError",
-                                                                                      "selftest failure", True)
+        assert (root["rank"], root["type"], root["message"], root["root_cause"]) == (
+            1,
+            "RuntimeError",
+            "selftest failure",
+            True,
+        )
         assert root["path"].endswith("selftest/attempt-1/rank-1.error.json")
         shown = await shows(pilot, app, "Root cause: selftest attempt 1")
         assert "rank 1 · pid" in shown and "RuntimeError: selftest failure" in shown
@@ -115,15 +139,21 @@ async def test_failing_rank_root_cause_then_retry_and_stop(daemon):
         await pilot.press("1", "e")  # rank 1, its first error line
         view = logs.query_one(LogView)
         await until(pilot, lambda: view.mark is not None and view.mark[0] == 1, what="the error line")
-        assert "Traceback (most recent call last):" in next(r.text for r in view.visible_rows() if (r.rank, r.line) == view.mark)
+        assert "Traceback (most recent call last):" in next(
+            r.text for r in view.visible_rows() if (r.rank, r.line) == view.mark
+        )
         await pilot.press("f")
         screen.action_retry()  # what R does on the run screen underneath: the logs follow attempt 2
         await until(pilot, lambda: logs.attempt_no == 2, timeout=60, what="the logs to follow attempt 2")
         await until(pilot, lambda: any("step" in r.text for r in view.visible_rows()), what="attempt 2's lines")
         await pilot.press("escape")
         await until(pilot, lambda: app.screen is screen, what="back on the run")
-        await until(pilot, lambda: (s := _stage(screen)) and s["state"] == "running" and s["attempts"] == 2,
-                    timeout=60, what="attempt 2 running")
+        await until(
+            pilot,
+            lambda: (s := _stage(screen)) and s["state"] == "running" and s["attempts"] == 2,
+            timeout=60,
+            what="attempt 2 running",
+        )
         assert screen.check_action("retry", ()) is None  # running: retry is dimmed now, stop is not
         assert screen.check_action("stop_stage", ()) is True
         await pilot.press("s")  # stop the stage: asks first
@@ -147,8 +177,14 @@ async def test_stacks_key_writes_a_hung_ranks_stack_into_the_followed_log(daemon
         await until(pilot, lambda: any("hanging" in r.text for r in view.visible_rows()), timeout=60, what="the hang")
         assert not any("most recent call first" in r.text for r in view.visible_rows())
         await pilot.press("t")
-        rows = await until(pilot, lambda: (t := [r.text for r in view.visible_rows()]) and
-                           any(x.startswith("Current thread 0x") for x in t) and t, timeout=30, what="the stacks")
+        rows = await until(
+            pilot,
+            lambda: (
+                (t := [r.text for r in view.visible_rows()]) and any(x.startswith("Current thread 0x") for x in t) and t
+            ),
+            timeout=30,
+            what="the stacks",
+        )
         assert any('selftest.py", line' in x and x.endswith(" in _fail") for x in rows), rows
         assert daemon.run(run_id)["state"] == "running"  # the dump does not end the rank
         daemon.request("stop", run=run_id)

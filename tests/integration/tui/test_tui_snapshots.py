@@ -41,6 +41,7 @@ def _screen(factory, ready=None):
         if ready is not None:
             await until(pilot, lambda: ready(pilot.app.screen), what="the screen's content")
         await _settle(pilot)
+
     return run_before
 
 
@@ -53,6 +54,7 @@ def test_runs(snap_compare, app, size):
     async def run_before(pilot):
         await until(pilot, lambda: pilot.app.screen.query("DataTable"), what="runs")
         await _settle(pilot)
+
     assert snap_compare(app, terminal_size=size, run_before=run_before)
 
 
@@ -78,8 +80,9 @@ def test_logs_one_rank_following(snap_compare, app, size):
 
 @pytest.mark.parametrize("size", SIZES, ids=["80x24", "160x48"])
 def test_logs_all_ranks_merged(snap_compare, app, size):
-    assert snap_compare(app, terminal_size=size,
-                        run_before=_screen(lambda: LogsScreen(3, "extract", merged=True), _log_ready))
+    assert snap_compare(
+        app, terminal_size=size, run_before=_screen(lambda: LogsScreen(3, "extract", merged=True), _log_ready)
+    )
 
 
 @pytest.mark.parametrize("size", SIZES, ids=["80x24", "160x48"])

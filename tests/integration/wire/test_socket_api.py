@@ -272,8 +272,9 @@ def test_second_server_on_a_live_socket_raises(daemon):
     with pytest.raises(DaemonAlreadyRunning) as info:
         asyncio.run(second())
     assert info.value.pid == daemon.pid
-    assert str(info.value) == (f"an eyas daemon is already running (pid {daemon.pid}) on {daemon.path}; "
-                               "stop it with `eyas daemon stop`")
+    assert str(info.value) == (
+        f"an eyas daemon is already running (pid {daemon.pid}) on {daemon.path}; stop it with `eyas daemon stop`"
+    )
     assert ping_ok(daemon.path) == daemon.pid  # the live socket was left alone
     # The same through a second daemon process.
     second_proc = Daemon(daemon.path)
@@ -332,8 +333,9 @@ print(json.dumps({"connect": "ok", "lines": [json.loads(l) for l in data.splitli
 
 
 def run_as_nobody(path: Path) -> dict:
-    out = subprocess.run([sys.executable, "-I", "-c", OTHER_UID_SCRIPT, str(path)], capture_output=True, text=True,
-                         timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", OTHER_UID_SCRIPT, str(path)], capture_output=True, text=True, timeout=30
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -346,10 +348,20 @@ def test_another_uid_is_refused(daemon):
     os.chmod(daemon.path.parent, 0o755)
     os.chmod(daemon.path, 0o666)
     got = run_as_nobody(daemon.path)
-    assert got == {"connect": "ok", "lines": [{
-        "v": 1, "id": None, "ok": False,
-        "error": {"code": "forbidden",
-                  "message": f"eyas daemon: uid 65534 may not use this daemon; it belongs to uid {os.getuid()}"}}]}
+    assert got == {
+        "connect": "ok",
+        "lines": [
+            {
+                "v": 1,
+                "id": None,
+                "ok": False,
+                "error": {
+                    "code": "forbidden",
+                    "message": f"eyas daemon: uid 65534 may not use this daemon; it belongs to uid {os.getuid()}",
+                },
+            }
+        ],
+    }
     assert "WARNING refused a connection from pid" in daemon.log_text()
     assert " uid 65534" in daemon.log_text()
     assert ping_ok(daemon.path) == daemon.pid
@@ -371,14 +383,25 @@ BAD = [
     ("non-utf8", b'{"v": 1, "id": 7, "op": "\xff\xfe"}\n', protocol.BAD_REQUEST, None),
     ("deep-nesting", b"[" * 200_000 + b"\n", protocol.BAD_REQUEST, None),
     ("subscribe-no-topics", b'{"v": 1, "id": 8, "op": "subscribe", "args": {}}\n', protocol.BAD_REQUEST, 8),
-    ("subscribe-bad-topic", b'{"v": 1, "id": 9, "op": "subscribe", "args": {"topics": ["gpu"]}}\n',
-     protocol.BAD_REQUEST, 9),
-    ("subscribe-bad-filter", b'{"v": 1, "id": 10, "op": "subscribe", "args": {"topics": ["log"], "run": "3"}}\n',
-     protocol.BAD_REQUEST, 10),
-    ("subscribe-unknown-arg", b'{"v": 1, "id": 11, "op": "subscribe", "args": {"topics": ["log"], "runs": 3}}\n',
-     protocol.BAD_REQUEST, 11),
-    ("unsubscribe-unknown", b'{"v": 1, "id": 12, "op": "unsubscribe", "args": {"sub": 99}}\n',
-     protocol.NOT_FOUND, 12),
+    (
+        "subscribe-bad-topic",
+        b'{"v": 1, "id": 9, "op": "subscribe", "args": {"topics": ["gpu"]}}\n',
+        protocol.BAD_REQUEST,
+        9,
+    ),
+    (
+        "subscribe-bad-filter",
+        b'{"v": 1, "id": 10, "op": "subscribe", "args": {"topics": ["log"], "run": "3"}}\n',
+        protocol.BAD_REQUEST,
+        10,
+    ),
+    (
+        "subscribe-unknown-arg",
+        b'{"v": 1, "id": 11, "op": "subscribe", "args": {"topics": ["log"], "runs": 3}}\n',
+        protocol.BAD_REQUEST,
+        11,
+    ),
+    ("unsubscribe-unknown", b'{"v": 1, "id": 12, "op": "unsubscribe", "args": {"sub": 99}}\n', protocol.NOT_FOUND, 12),
 ]
 
 
@@ -391,8 +414,12 @@ def test_bad_request_gets_the_right_error_and_the_connection_keeps_serving(daemo
         assert (reply["v"], reply["id"], reply["ok"], reply["error"]["code"]) == (1, id_, False, code)
         assert reply["error"]["message"]  # never empty
         s.sendall(req("after", "ping"))
-        assert lines.next() == {"v": 1, "id": "after", "ok": True,
-                                "result": {"pid": daemon.pid, "peer_pid": os.getpid(), "peer_uid": os.getuid()}}
+        assert lines.next() == {
+            "v": 1,
+            "id": "after",
+            "ok": True,
+            "result": {"pid": daemon.pid, "peer_pid": os.getpid(), "peer_uid": os.getuid()},
+        }
     assert ping_ok(daemon.path) == daemon.pid
 
 
@@ -417,8 +444,9 @@ def test_two_mib_line_is_refused_and_skipped(daemon):
         s.sendall(b'{"v": 1, "id": 1, "op": "ping", "args": {"x": "' + b"a" * (2 << 20) + b'"}}\n' + req(2, "ping"))
         reply = lines.next()
         assert (reply["id"], reply["error"]["code"]) == (None, protocol.TOO_LARGE)
-        assert reply["error"]["message"] == (f"a message longer than the {protocol.MAX_LINE}-byte limit was "
-                                             "discarded; send smaller requests")
+        assert reply["error"]["message"] == (
+            f"a message longer than the {protocol.MAX_LINE}-byte limit was discarded; send smaller requests"
+        )
         assert lines.next()["id"] == 2  # the rest of the big line was discarded, the next one served
     # A line exactly at the limit is still accepted.
     with connect(daemon.path) as s:
@@ -426,8 +454,12 @@ def test_two_mib_line_is_refused_and_skipped(daemon):
         line += b"a" * (protocol.MAX_LINE - len(line) - 3) + b'"}}'
         assert len(line) == protocol.MAX_LINE
         s.sendall(line + b"\n")
-        assert Lines(s).next() == {"v": 1, "id": 3, "ok": True,
-                                   "result": {"pid": daemon.pid, "peer_pid": os.getpid(), "peer_uid": 0}}
+        assert Lines(s).next() == {
+            "v": 1,
+            "id": 3,
+            "ok": True,
+            "result": {"pid": daemon.pid, "peer_pid": os.getpid(), "peer_uid": 0},
+        }
     assert ping_ok(daemon.path) == daemon.pid
 
 
@@ -490,11 +522,19 @@ def test_handler_exception_is_an_internal_error_and_the_next_request_works(daemo
     with connect(daemon.path) as s:
         lines = Lines(s)
         s.sendall(req(1, "skip", n=1))
-        assert lines.next() == {"v": 1, "id": 1, "ok": False,
-                                "error": {"code": "internal", "message": "ValueError: boom 1"}}
+        assert lines.next() == {
+            "v": 1,
+            "id": 1,
+            "ok": False,
+            "error": {"code": "internal", "message": "ValueError: boom 1"},
+        }
         s.sendall(req(2, "retry"))
-        assert lines.next() == {"v": 1, "id": 2, "ok": False,
-                                "error": {"code": "not_found", "message": "no run 99; list runs with `eyas runs`"}}
+        assert lines.next() == {
+            "v": 1,
+            "id": 2,
+            "ok": False,
+            "error": {"code": "not_found", "message": "no run 99; list runs with `eyas runs`"},
+        }
         s.sendall(req(3, "ping"))
         assert lines.next()["result"]["pid"] == daemon.pid
     log = daemon.log_text()
@@ -623,8 +663,9 @@ def test_a_vanishing_subscriber_does_not_disturb_others(daemon):
     leaver.sendall(req(1, "subscribe", topics=["log"]))
     assert leaver_lines.next()["ok"]
     with connect(daemon.path, timeout=60) as pub:
-        pub.sendall(req("pub", "submit", topic="log", count=n, data={"run_id": 5, "stage": "train", "rank": 0},
-                        batch=500))
+        pub.sendall(
+            req("pub", "submit", topic="log", count=n, data={"run_id": 5, "stage": "train", "rank": 0}, batch=500)
+        )
         seen = [leaver_lines.next()["data"]["seq"] for _ in range(1000)]
         assert seen == list(range(1000))
         leaver.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
@@ -924,9 +965,11 @@ async def test_async_subscription_overflow_on_a_slow_consumer(daemon):
 
 
 def test_client_module_imports_nothing_heavy():
-    code = ("import sys, eyas.wire.client; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & "
-            "{'textual', 'torch', 'transformers', 'vllm', 'sqlite_utils', 'psutil', 'rich', 'pynvml'}))")
+    code = (
+        "import sys, eyas.wire.client; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'textual', 'torch', 'transformers', 'vllm', 'sqlite_utils', 'psutil', 'rich', 'pynvml'}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert (out.returncode, out.stdout.strip()) == (0, "[]"), out.stderr
 

@@ -25,7 +25,11 @@ def test_the_fitted_head_predicts_the_chats_and_keeps_its_scale(built, tmp_path)
     root, made = built
     marker = json.loads((made["tiny-deepseek"] / assets.MARKER).read_text())
     assert {k: marker[k] for k in ("family", "seed", "fit_steps", "head_norm")} == {
-        "family": "deepseek_v3", "seed": 0, "fit_steps": 40, "head_norm": assets.HEAD_NORM}
+        "family": "deepseek_v3",
+        "seed": 0,
+        "fit_steps": 40,
+        "head_norm": assets.HEAD_NORM,
+    }
     # Well below a uniform guess over the vocabulary: the head learnt the chats.
     vocab = json.loads((made["tiny-deepseek"] / "config.json").read_text())["vocab_size"]
     assert marker["final_loss"] < math.log(vocab) - 1.5

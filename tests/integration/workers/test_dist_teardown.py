@@ -15,11 +15,11 @@ import time
 
 from rank_harness import DEADLINE, start_rank, wait_for  # noqa: F401 (start_rank is a fixture)
 
-HANG_S = 15.0   # the naive teardown's GIL hold ends 4 s after its log line; a deadlock outlasts it by far
+HANG_S = 15.0  # the naive teardown's GIL hold ends 4 s after its log line; a deadlock outlasts it by far
 
 
 def _pair(start_rank, mode: str):  # noqa: F811
-    with socket.socket() as s:      # a free port for the group's store
+    with socket.socket() as s:  # a free port for the group's store
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     options = {"steps": 2, "step_time": 0.01, "gloo_teardown": mode}
@@ -29,7 +29,7 @@ def _pair(start_rank, mode: str):  # noqa: F811
 def test_the_old_teardown_order_deadlocks_in_the_process_group_destructor(start_rank):  # noqa: F811
     r0, r1 = _pair(start_rank, "naive")
     r0.wait_log("eyas.selftest: gloo teardown: naive")
-    assert r1.wait() == 0   # the other rank freed its work itself and ended
+    assert r1.wait() == 0  # the other rank freed its work itself and ended
     peer_done = time.monotonic()
     time.sleep(HANG_S)
     alive = time.monotonic() - peer_done

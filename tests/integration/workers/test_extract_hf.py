@@ -44,11 +44,18 @@ def reference(model, input_ids: list[int]) -> tuple[dict[int, torch.Tensor], tup
     layers = model.model.layers
     n = len(layers)
     seen: dict[int, torch.Tensor] = {}
-    hooks = [layers[i].register_forward_pre_hook(
-        lambda m, args, kwargs, i=i: seen.__setitem__(i, (args[0] if args else kwargs["hidden_states"]).clone()),
-        with_kwargs=True) for i in range(n)]
-    hooks.append(layers[n - 1].register_forward_hook(
-        lambda m, args, out: seen.__setitem__(n, (out if torch.is_tensor(out) else out[0]).clone())))
+    hooks = [
+        layers[i].register_forward_pre_hook(
+            lambda m, args, kwargs, i=i: seen.__setitem__(i, (args[0] if args else kwargs["hidden_states"]).clone()),
+            with_kwargs=True,
+        )
+        for i in range(n)
+    ]
+    hooks.append(
+        layers[n - 1].register_forward_hook(
+            lambda m, args, out: seen.__setitem__(n, (out if torch.is_tensor(out) else out[0]).clone())
+        )
+    )
     try:
         with torch.inference_mode():
             out = model(torch.tensor([input_ids]), output_hidden_states=True)
@@ -91,7 +98,7 @@ def test_hidden_states_match_unbatched_hook_reference_and_output_hidden_states(m
     rows = token_rows(models[family], lengths)
     write_dataset(tmp_path / "out", rows)
     n = 8
-    ids = list(range(n + 1))                 # every id, 0 (embeddings) to N (final pre-norm)
+    ids = list(range(n + 1))  # every id, 0 (embeddings) to N (final pre-norm)
     ctx = run_stage(tmp_path / "out", models[family], layer_ids=ids, batch_size=4)
 
     plan = extract_plan.plan_batches(lengths, 1, 0, 4)
@@ -115,13 +122,14 @@ def test_hidden_states_match_unbatched_hook_reference_and_output_hidden_states(m
         with torch.inference_mode():
             normed = model.model.norm(got["hidden_states"][:, n])
         torch.testing.assert_close(normed, output_hs[n], atol=1e-5, rtol=0)
-        assert (got["hidden_states"][:, n] - output_hs[n]).abs().max() > 0.1   # not the same thing
+        assert (got["hidden_states"][:, n] - output_hs[n]).abs().max() > 0.1  # not the same thing
 
     cfg = json.loads((tmp_path / "out" / "extract" / "data_config.json").read_text())
     assert cfg["layer_ids"] == ids and cfg["verifier_last_layer_id"] == n and cfg["aux_layer_ids"] == ids[:-1]
-    assert cfg["tensors"] == {"hidden_states": {"shape": ["seq_len", n + 1, model.config.hidden_size],
-                                                "dtype": "float32"},
-                              "token_ids": {"shape": ["seq_len"], "dtype": "int64"}}
+    assert cfg["tensors"] == {
+        "hidden_states": {"shape": ["seq_len", n + 1, model.config.hidden_size], "dtype": "float32"},
+        "token_ids": {"shape": ["seq_len"], "dtype": "int64"},
+    }
     assert cfg["layers"][0]["meaning"] == "embeddings: the residual stream entering decoder layer 0"
     assert cfg["layers"][n]["meaning"].startswith("the final pre-norm output")
     assert (cfg["num_samples"], cfg["num_tokens"], cfg["hidden_size"]) == (10, sum(lengths), model.config.hidden_size)
@@ -130,15 +138,23 @@ def test_hidden_states_match_unbatched_hook_reference_and_output_hidden_states(m
     assert set(cfg["versions"]) == {"torch", "transformers", "speculators", "eyas"}
     assert all(cfg["versions"].values())
     summary = json.loads((ctx.attempt_dir / "summary.json").read_text())
-    assert (summary["samples"], summary["tokens"], summary["files_written"], summary["batches_skipped"]) == \
-        (10, sum(lengths), 10, 0)
+    assert (summary["samples"], summary["tokens"], summary["files_written"], summary["batches_skipped"]) == (
+        10,
+        sum(lengths),
+        10,
+        0,
+    )
     assert summary["outputs"] == [str(hs_dir), str(tmp_path / "out" / "extract" / "data_config.json")]
     lines = [json.loads(x) for x in (ctx.attempt_dir / "rank-0.progress.jsonl").read_text().splitlines()]
     assert lines[0] == {"time": lines[0]["time"], "heartbeat": "load target"}
     lines = [x for x in lines if "heartbeat" not in x]
     assert (lines[0]["samples"], lines[0]["tokens"]) == (0, 0)
-    assert (lines[-1]["samples"], lines[-1]["tokens"], lines[-1]["samples_total"], lines[-1]["tokens_total"]) == \
-        (10, sum(lengths), 10, sum(lengths))
+    assert (lines[-1]["samples"], lines[-1]["tokens"], lines[-1]["samples_total"], lines[-1]["tokens_total"]) == (
+        10,
+        sum(lengths),
+        10,
+        sum(lengths),
+    )
 
 
 def test_speculators_loader_reads_the_files(models, tmp_path):
@@ -150,8 +166,13 @@ def test_speculators_loader_reads_the_files(models, tmp_path):
     ds_path = write_dataset(tmp_path / "out", rows)
     run_stage(tmp_path / "out", models["llama"], layer_ids=[2, 4, 5, 8])
     hs_dir = tmp_path / "out" / "extract" / "hidden_states"
-    data = ArrowDataset(max_len=64, datapath=ds_path, transfer=FileTransfer(hs_dir), on_missing="raise",
-                        hidden_states_dtype=torch.float32)
+    data = ArrowDataset(
+        max_len=64,
+        datapath=ds_path,
+        transfer=FileTransfer(hs_dir),
+        on_missing="raise",
+        hidden_states_dtype=torch.float32,
+    )
     for idx in range(3):
         item = data[idx]
         ours = load_file(hs_dir / f"hs_{idx}.safetensors")["hidden_states"]
@@ -164,7 +185,7 @@ def test_bfloat16_files(models, tmp_path):
     lengths = [14, 40, 9, 26, 31]
     rows = token_rows(models["llama"], lengths)
     write_dataset(tmp_path / "out", rows)
-    run_stage(tmp_path / "out", models["llama"], dtype="bfloat16", batch_size=3)   # default ids
+    run_stage(tmp_path / "out", models["llama"], dtype="bfloat16", batch_size=3)  # default ids
     model = load_hf(models["llama"], torch.bfloat16)
     cfg = json.loads((tmp_path / "out" / "extract" / "data_config.json").read_text())
     assert cfg["layer_ids"] == [2, 4, 5, 8] and cfg["dtype"] == "bfloat16"
@@ -176,8 +197,9 @@ def test_bfloat16_files(models, tmp_path):
         hooked, _ = reference(model, row)
         for k, layer_id in enumerate([2, 4, 5, 8]):
             # bf16 keeps 8 bits of mantissa: batched and unbatched matmuls round differently.
-            torch.testing.assert_close(got["hidden_states"][:, k].float(), hooked[layer_id].float(),
-                                       atol=0.1, rtol=0.02)
+            torch.testing.assert_close(
+                got["hidden_states"][:, k].float(), hooked[layer_id].float(), atol=0.1, rtol=0.02
+            )
 
 
 def test_out_of_memory_halves_the_batch_and_keeps_every_value(models, tmp_path):
@@ -216,8 +238,10 @@ def test_unknown_architecture_fails_at_once_listing_the_known_ones(tmp_path):
     with pytest.raises(adapters.UnknownArchitecture) as err:
         run_stage(tmp_path / "out", target)
     known = ", ".join(sorted(a for ad in adapters.ADAPTERS for a in ad.architectures))
-    assert str(err.value) == (f"architecture 'MambaForCausalLM' is not supported for extraction; known: {known} "
-                              "(add an adapter in eyas/workers/models/adapters.py)")
+    assert str(err.value) == (
+        f"architecture 'MambaForCausalLM' is not supported for extraction; known: {known} "
+        "(add an adapter in eyas/workers/models/adapters.py)"
+    )
     assert "DeepseekV3ForCausalLM, KimiK25ForConditionalGeneration, LlamaForCausalLM" in known
     (target / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
     with pytest.raises(adapters.UnknownArchitecture, match='config.json names no architectures; set "architectures"'):
@@ -244,8 +268,13 @@ class LlavaForConditionalGeneration(torch.nn.Module):
         self.lm_head = lm.lm_head
 
 
-@pytest.mark.parametrize("wrapper, path", [(KimiK25ForConditionalGeneration, "language_model.model"),
-                                           (LlavaForConditionalGeneration, "model.language_model")])
+@pytest.mark.parametrize(
+    "wrapper, path",
+    [
+        (KimiK25ForConditionalGeneration, "language_model.model"),
+        (LlavaForConditionalGeneration, "model.language_model"),
+    ],
+)
 def test_multimodal_wrapper_resolves_to_its_language_model(models, tmp_path, wrapper, path):
     lengths = [19, 8, 27, 13]
     rows = token_rows(models["llama"], lengths)
@@ -311,11 +340,22 @@ def test_remote_code_multimodal_target_runs_through_the_stage(models, tmp_path):
     (target / "modeling_kimi.py").write_text(KIMI_MODELING_PY)
     llama_cfg = json.loads((models["llama"] / "config.json").read_text())
     text = {k: v for k, v in llama_cfg.items() if k not in ("architectures", "transformers_version", "dtype")}
-    (target / "config.json").write_text(json.dumps({
-        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": text,
-        "auto_map": {"AutoConfig": "configuration_kimi.KimiK25Config",
-                     "AutoModel": "modeling_kimi.KimiK25ForConditionalGeneration"}}))
-    weights = {f"language_model.{k}": v.contiguous() for k, v in load_file(models["llama"] / "model.safetensors").items()}
+    (target / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["KimiK25ForConditionalGeneration"],
+                "model_type": "kimi_k25",
+                "text_config": text,
+                "auto_map": {
+                    "AutoConfig": "configuration_kimi.KimiK25Config",
+                    "AutoModel": "modeling_kimi.KimiK25ForConditionalGeneration",
+                },
+            }
+        )
+    )
+    weights = {
+        f"language_model.{k}": v.contiguous() for k, v in load_file(models["llama"] / "model.safetensors").items()
+    }
     weights.update({"vision_tower.weight": torch.zeros(4, 4), "vision_tower.bias": torch.zeros(4)})
     save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
 
@@ -323,17 +363,26 @@ def test_remote_code_multimodal_target_runs_through_the_stage(models, tmp_path):
     for name in ("plain", "kimi"):
         write_dataset(tmp_path / name, rows)
     run_stage(tmp_path / "plain", models["llama"], layer_ids=[1, 8])
-    with pytest.raises(ValueError, match="architecture KimiK25ForConditionalGeneration is not built into "
-                                         "transformers .*; set target.trust_remote_code = true"):
+    with pytest.raises(
+        ValueError,
+        match="architecture KimiK25ForConditionalGeneration is not built into "
+        "transformers .*; set target.trust_remote_code = true",
+    ):
         run_stage(tmp_path / "kimi", target, layer_ids=[1, 8])
     run_stage(tmp_path / "kimi", target, layer_ids=[1, 8], trust_remote_code=True)
     cfg = json.loads((tmp_path / "kimi" / "extract" / "data_config.json").read_text())
-    assert cfg["model"] == {"path": str(target), "architecture": "KimiK25ForConditionalGeneration",
-                            "model_type": "kimi_k25", "adapter": "multimodal", "decoder": "language_model.model"}
+    assert cfg["model"] == {
+        "path": str(target),
+        "architecture": "KimiK25ForConditionalGeneration",
+        "model_type": "kimi_k25",
+        "adapter": "multimodal",
+        "decoder": "language_model.model",
+    }
     plain = sha256s(tmp_path / "plain" / "extract")
     kimi = sha256s(tmp_path / "kimi" / "extract")
-    assert {k: v for k, v in kimi.items() if k != "data_config.json"} == \
-        {k: v for k, v in plain.items() if k != "data_config.json"}
+    assert {k: v for k, v in kimi.items() if k != "data_config.json"} == {
+        k: v for k, v in plain.items() if k != "data_config.json"
+    }
 
 
 def test_wrapper_without_a_decoder_names_the_paths_it_tried():
@@ -343,41 +392,83 @@ def test_wrapper_without_a_decoder_names_the_paths_it_tried():
     assert str(err.value) == (
         "KimiK25ForConditionalGeneration: no decoder layers found at language_model.model.layers, "
         "model.language_model.layers, language_model.layers (adapter multimodal); the model's layout "
-        "is not the one this adapter knows")
+        "is not the one this adapter knows"
+    )
 
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
-            num_key_value_heads=2, head_dim=32, vocab_size=300)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=300,
+)
 
 
 def _tiny_config(arch: str):
     from transformers import AutoConfig
 
-    vision = {"Llava": dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
-                            num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14),
-              "Mistral3": dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                               num_attention_heads=2, head_dim=16, image_size=28, patch_size=14)}
+    vision = {
+        "Llava": dict(
+            model_type="clip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        ),
+        "Mistral3": dict(
+            model_type="pixtral",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            head_dim=16,
+            image_size=28,
+            patch_size=14,
+        ),
+    }
     vl_vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
     return {
         "LlamaForCausalLM": lambda: AutoConfig.for_model("llama", **TINY),
         "MistralForCausalLM": lambda: AutoConfig.for_model("mistral", **TINY),
         "Qwen2ForCausalLM": lambda: AutoConfig.for_model("qwen2", **TINY),
         "Qwen3ForCausalLM": lambda: AutoConfig.for_model("qwen3", **TINY),
-        "Qwen3MoeForCausalLM": lambda: AutoConfig.for_model("qwen3_moe", **TINY, moe_intermediate_size=32,
-                                                            num_experts=4, num_experts_per_tok=2),
+        "Qwen3MoeForCausalLM": lambda: AutoConfig.for_model(
+            "qwen3_moe", **TINY, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2
+        ),
         "DeepseekV3ForCausalLM": lambda: AutoConfig.for_model(
-            "deepseek_v3", **{k: v for k, v in TINY.items() if k != "head_dim"}, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
-            qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-            topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1),
+            "deepseek_v3",
+            **{k: v for k, v in TINY.items() if k != "head_dim"},
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+        ),
         "LlavaForConditionalGeneration": lambda: AutoConfig.for_model(
-            "llava", text_config=dict(model_type="llama", **TINY), vision_config=vision["Llava"]),
+            "llava", text_config=dict(model_type="llama", **TINY), vision_config=vision["Llava"]
+        ),
         "Mistral3ForConditionalGeneration": lambda: AutoConfig.for_model(
-            "mistral3", text_config=dict(model_type="mistral", **TINY), vision_config=vision["Mistral3"]),
+            "mistral3", text_config=dict(model_type="mistral", **TINY), vision_config=vision["Mistral3"]
+        ),
         "Qwen2_5_VLForConditionalGeneration": lambda: AutoConfig.for_model(
-            "qwen2_5_vl", text_config=dict(**TINY, rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]}),
-            vision_config=vl_vision),
+            "qwen2_5_vl",
+            text_config=dict(**TINY, rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]}),
+            vision_config=vl_vision,
+        ),
         "Qwen3VLForConditionalGeneration": lambda: AutoConfig.for_model(
-            "qwen3_vl", text_config=dict(**TINY), vision_config=vl_vision),
+            "qwen3_vl", text_config=dict(**TINY), vision_config=vl_vision
+        ),
     }[arch]()
 
 
@@ -426,7 +517,7 @@ def test_resume_skips_complete_batches_and_writes_only_missing_files(models, tmp
     run_stage(tmp_path / "out", models["deepseek_v3"], batch_size=4)
     extract_dir = tmp_path / "out" / "extract"
     before = sha256s(extract_dir)
-    plan = extract_plan.plan_batches(lengths, 1, 0, 4)       # [[2, 6, 0, 9], [4, 5, 8, 1], [10, 3, 7]]
+    plan = extract_plan.plan_batches(lengths, 1, 0, 4)  # [[2, 6, 0, 9], [4, 5, 8, 1], [10, 3, 7]]
     assert plan == [[2, 6, 0, 9], [4, 5, 8, 1], [10, 3, 7]]
 
     hs_dir = extract_dir / "hidden_states"
@@ -456,10 +547,12 @@ def test_resume_skips_complete_batches_and_writes_only_missing_files(models, tmp
 def test_writer_failure_fails_the_rank(tmp_path):
     blocker = tmp_path / "hs"
     writer = hswriter.HiddenStatesWriter(blocker)
-    blocker.rename(tmp_path / "moved")        # the directory vanishes under the writer
+    blocker.rename(tmp_path / "moved")  # the directory vanishes under the writer
     item = hswriter.Item(idx=0, row=0, length=2, token_ids=torch.tensor([1, 2]))
     writer.put(hswriter.Job(hidden=torch.zeros(1, 2, 3, 4), items=[item]))
-    with pytest.raises(RuntimeError, match=r"writing hidden states to .*/hs failed: SafetensorError.*No such file or directory"):
+    with pytest.raises(
+        RuntimeError, match=r"writing hidden states to .*/hs failed: SafetensorError.*No such file or directory"
+    ):
         writer.close()
 
 
@@ -492,8 +585,11 @@ def test_daemon_two_ranks_sigkill_mid_extraction_then_retry_is_byte_identical(da
     killed = daemon.submit(_toml("killed", tmp_path / "killed", models["deepseek_v3"]), "killed.toml")
     hs_dir = tmp_path / "killed" / "extract" / "hidden_states"
     rank1 = set(i for b in extract_plan.plan_batches(lengths, 2, 1, 4) for i in b)
-    pid = wait_for(lambda: (rs := daemon.ranks(killed, stage="extract")) and len(rs) == 2 and rs[1]["pid"],
-                   120, what="rank 1's pid")
+    pid = wait_for(
+        lambda: (rs := daemon.ranks(killed, stage="extract")) and len(rs) == 2 and rs[1]["pid"],
+        120,
+        what="rank 1's pid",
+    )
     wait_for(lambda: len(hswriter.existing(hs_dir) & rank1) >= 8, 120, 0.01, "rank 1 to write 8 files")
     os.kill(pid, signal.SIGKILL)
     run = daemon.wait_run(killed, timeout=120)
@@ -510,7 +606,7 @@ def test_daemon_two_ranks_sigkill_mid_extraction_then_retry_is_byte_identical(da
     assert run["state"] == "succeeded", run
     summary = run["stages"][0]["summary"]
     assert summary["samples"] == n
-    assert summary["files_written"] == n - done_before_retry        # nothing done twice
+    assert summary["files_written"] == n - done_before_retry  # nothing done twice
     assert summary["batches_skipped"] >= 1
     assert sha256s(tmp_path / "killed" / "extract") == reference_hashes
 
@@ -519,15 +615,22 @@ def test_an_output_dir_is_bound_to_one_extraction(tmp_path):
     """Resume trusts the files present; files of another model, dtype, layer set or data are refused."""
     from eyas.workers.extract.output import IDENTITY, claim_output
 
-    ident = {"model": "/m", "architecture": "LlamaForCausalLM", "dtype": "float32", "layer_ids": [2, 4, 8],
-             "dataset": "abc"}
+    ident = {
+        "model": "/m",
+        "architecture": "LlamaForCausalLM",
+        "dtype": "float32",
+        "layer_ids": [2, 4, 8],
+        "dataset": "abc",
+    }
     claim_output(tmp_path, ident)
     claim_output(tmp_path, dict(ident))  # the same extraction resumes
     assert json.loads((tmp_path / IDENTITY).read_text()) == ident
     with pytest.raises(RuntimeError) as err:
         claim_output(tmp_path, {**ident, "layer_ids": [2, 5, 8]})
-    assert str(err.value) == (f"{tmp_path} holds the output of another extraction (layer_ids: [2, 4, 8] there, "
-                              f"[2, 5, 8] now); set another output_dir, or delete {tmp_path} to start over")
+    assert str(err.value) == (
+        f"{tmp_path} holds the output of another extraction (layer_ids: [2, 4, 8] there, "
+        f"[2, 5, 8] now); set another output_dir, or delete {tmp_path} to start over"
+    )
     assert [p.name for p in tmp_path.iterdir()] == [IDENTITY]  # no temp file left
 
 

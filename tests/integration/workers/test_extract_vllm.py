@@ -175,17 +175,20 @@ def token_rows(lengths: list[int], seed: int = 0, vocab: int = 500) -> list[list
 def write_dataset(output_dir: Path, rows: list[list[int]]) -> None:
     import datasets
 
-    ds = datasets.Dataset.from_dict({"input_ids": rows, "loss_mask": [[1] * len(r) for r in rows],
-                                     "seq_len": [len(r) for r in rows]})
+    ds = datasets.Dataset.from_dict(
+        {"input_ids": rows, "loss_mask": [[1] * len(r) for r in rows], "seq_len": [len(r) for r in rows]}
+    )
     ds.save_to_disk(str(output_dir / "prepare" / "dataset"))
 
 
 def config(target: Path, backend="vllm", tp=1, batch_size=4, options=None, layer_ids=ALL_IDS) -> dict:
-    return {"name": "t", "target": {"path": str(target), "dtype": "float32"},
-            "extract": {"backend": backend, "layer_ids": layer_ids, "tensor_parallel_size": tp,
-                        "batch_size": batch_size},
-            "resources": {"ranks": 1, "devices": "cpu"},
-            "stages": {"extract": {"options": options or {}}}}
+    return {
+        "name": "t",
+        "target": {"path": str(target), "dtype": "float32"},
+        "extract": {"backend": backend, "layer_ids": layer_ids, "tensor_parallel_size": tp, "batch_size": batch_size},
+        "resources": {"ranks": 1, "devices": "cpu"},
+        "stages": {"extract": {"options": options or {}}},
+    }
 
 
 def hf_reference(output_dir: Path, target: Path, rows: list[list[int]]) -> Path:
@@ -193,17 +196,26 @@ def hf_reference(output_dir: Path, target: Path, rows: list[list[int]]) -> Path:
     write_dataset(output_dir, rows)
     attempt = output_dir / "attempt"
     attempt.mkdir()
-    ctx = RankContext(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0, run_id=None,
-                      stage="extract", attempt=1, attempt_dir=attempt, output_dir=output_dir,
-                      config=config(target, backend="hf"),
-                      progress=ProgressWriter(attempt / "rank-0.progress.jsonl", min_interval=0))
+    ctx = RankContext(
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        master_addr="127.0.0.1",
+        master_port=0,
+        run_id=None,
+        stage="extract",
+        attempt=1,
+        attempt_dir=attempt,
+        output_dir=output_dir,
+        config=config(target, backend="hf"),
+        progress=ProgressWriter(attempt / "rank-0.progress.jsonl", min_interval=0),
+    )
     extract.main(ctx)
     ctx.progress.close()
     return output_dir / "extract" / "hidden_states"
 
 
-def drive(output_dir: Path, target: Path, rows, ext_dir: Path, tp=1, options=None, batch_size=4,
-          timeout=300) -> Path:
+def drive(output_dir: Path, target: Path, rows, ext_dir: Path, tp=1, options=None, batch_size=4, timeout=300) -> Path:
     """One vllm-backend attempt run the way the daemon runs a rank: python -m eyas.workers.runtime.rank
     with the rank contract's environment, output to rank-0.log."""
     write_dataset(output_dir, rows)
@@ -211,13 +223,29 @@ def drive(output_dir: Path, target: Path, rows, ext_dir: Path, tp=1, options=Non
     cfg_path.write_text(json.dumps(config(target, tp=tp, options=options, batch_size=batch_size)))
     attempt = output_dir / "attempt-1"
     attempt.mkdir()
-    env = {**os.environ, **VLLM_ENV, "RANK": "0", "WORLD_SIZE": "1", "EYAS_STAGE": "extract",
-           "EYAS_ATTEMPT": "1", "EYAS_ATTEMPT_DIR": str(attempt), "EYAS_OUTPUT_DIR": str(output_dir),
-           "EYAS_CONFIG": str(cfg_path), "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([str(ext_dir), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        **VLLM_ENV,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "EYAS_STAGE": "extract",
+        "EYAS_ATTEMPT": "1",
+        "EYAS_ATTEMPT_DIR": str(attempt),
+        "EYAS_OUTPUT_DIR": str(output_dir),
+        "EYAS_CONFIG": str(cfg_path),
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join([str(ext_dir), os.environ.get("PYTHONPATH", "")]),
+    }
     with open(attempt / "rank-0.log", "wb") as log:
-        proc = subprocess.run([sys.executable, "-m", "eyas.workers.runtime.rank"], env=env, stdout=log,
-                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=timeout, cwd=attempt)
+        proc = subprocess.run(
+            [sys.executable, "-m", "eyas.workers.runtime.rank"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            timeout=timeout,
+            cwd=attempt,
+        )
     assert proc.returncode == 0, (attempt / "rank-0.log").read_text()[-6000:]
     return attempt
 
@@ -229,8 +257,11 @@ def assert_matches(got_dir: Path, want_dir: Path, rows: list[list[int]], atol: f
         got = load_file(got_dir / f"hs_{idx}.safetensors")
         want = load_file(want_dir / f"hs_{idx}.safetensors")
         assert got["token_ids"].tolist() == row
-        assert got["hidden_states"].shape == want["hidden_states"].shape == (len(row), len(ALL_IDS),
-                                                                             want["hidden_states"].shape[-1])
+        assert (
+            got["hidden_states"].shape
+            == want["hidden_states"].shape
+            == (len(row), len(ALL_IDS), want["hidden_states"].shape[-1])
+        )
         assert got["hidden_states"].dtype == torch.float32
         torch.testing.assert_close(got["hidden_states"], want["hidden_states"], atol=atol, rtol=0)
         worst = max(worst, (got["hidden_states"] - want["hidden_states"]).abs().max().item())
@@ -247,9 +278,9 @@ LENGTHS = [37, 5, 23, 61, 12, 48, 29, 17, 3, 55, 90, 8]
 
 def test_replies_take_a_list_per_rank_or_one_value():
     r0, r1 = {"tp_rank": 0, "samples": [1]}, {"tp_rank": 1}
-    assert vllm_backend.replies([r0, r1], 2) == [r0, r1]        # LLM.collective_rpc
-    assert vllm_backend.replies(r0, 2) == [r0]                  # executor, unique_reply_rank=0
-    assert vllm_backend.reply_of([r1, r0], 2, 0) is r0          # by the rank it names, not the index
+    assert vllm_backend.replies([r0, r1], 2) == [r0, r1]  # LLM.collective_rpc
+    assert vllm_backend.replies(r0, 2) == [r0]  # executor, unique_reply_rank=0
+    assert vllm_backend.reply_of([r1, r0], 2, 0) is r0  # by the rank it names, not the index
     assert vllm_backend.reply_of(r0, 2, 0) is r0
     with pytest.raises(RuntimeError, match="collective_rpc returned 3 replies for 2 TP ranks"):
         vllm_backend.replies([r0, r1, r1], 2)
@@ -263,21 +294,46 @@ def test_version_check_names_the_supported_versions():
     assert vllm_version.check("0.33.1+cu128") == "0.33.1+cu128"
     with pytest.raises(vllm_version.UnsupportedVllm) as err:
         vllm_version.check("0.16.0")
-    assert str(err.value) == ("vLLM 0.16.0 is not supported by eyas's vllm backend (supported: 0.32 (the CPU build "
-                              "tested here); 0.33 (GPUs)); install one of them, or use backend = \"hf\"")
-    assert vllm_version.check() == "0.32.0"           # the installed CPU build
+    assert str(err.value) == (
+        "vLLM 0.16.0 is not supported by eyas's vllm backend (supported: 0.32 (the CPU build "
+        'tested here); 0.33 (GPUs)); install one of them, or use backend = "hf"'
+    )
+    assert vllm_version.check() == "0.32.0"  # the installed CPU build
 
 
 def test_engine_args_fix_what_capture_needs_and_refuse_overrides():
-    args = vllm_backend.engine_args("/m", "float32", 2, False, 90, vllm_backend.EXTENSION,
-                                    {"max_num_batched_tokens": 64}, {"kv_lora_rank": 512}, cpu_build=True)
-    assert {k: args[k] for k in ("enforce_eager", "enable_prefix_caching", "tensor_parallel_size",
-                                 "distributed_executor_backend", "max_model_len", "max_num_batched_tokens",
-                                 "worker_extension_cls")} == {
-        "enforce_eager": True, "enable_prefix_caching": False, "tensor_parallel_size": 2,
-        "distributed_executor_backend": "mp", "max_model_len": 91, "max_num_batched_tokens": 64,
-        "worker_extension_cls": "eyas.workers.vllm.ext.EyasWorkerExtension"}
-    assert args["compilation_config"] == {"custom_ops": ["-rotary_embedding"]}   # MLA on the CPU build
+    args = vllm_backend.engine_args(
+        "/m",
+        "float32",
+        2,
+        False,
+        90,
+        vllm_backend.EXTENSION,
+        {"max_num_batched_tokens": 64},
+        {"kv_lora_rank": 512},
+        cpu_build=True,
+    )
+    assert {
+        k: args[k]
+        for k in (
+            "enforce_eager",
+            "enable_prefix_caching",
+            "tensor_parallel_size",
+            "distributed_executor_backend",
+            "max_model_len",
+            "max_num_batched_tokens",
+            "worker_extension_cls",
+        )
+    } == {
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "tensor_parallel_size": 2,
+        "distributed_executor_backend": "mp",
+        "max_model_len": 91,
+        "max_num_batched_tokens": 64,
+        "worker_extension_cls": "eyas.workers.vllm.ext.EyasWorkerExtension",
+    }
+    assert args["compilation_config"] == {"custom_ops": ["-rotary_embedding"]}  # MLA on the CPU build
     assert "compilation_config" not in vllm_backend.engine_args("/m", "float32", 1, False, 9, "x", None, {}, True)
     # Overriding what eyas sets is refused with the run's options (state/specs.py), before any engine.
     with pytest.raises(ValueError, match="options.vllm: sets enforce_eager, tensor_parallel_size, which eyas sets"):
@@ -300,18 +356,27 @@ def test_layout_maps_rows_to_requests_and_refuses_a_wrong_one():
     ids = np.concatenate([a, b[20:40], c, [0, 0, 0]])
     layout = vllm_layout.StepLayout.from_arrays(["a-x", "b-y", "c-z"], [0, 30, 50, 55], positions)
     assert layout.num_tokens == 55
-    assert [(s.req_id, s.start, s.end, s.position) for s in layout.segments] == \
-        [("a-x", 0, 30, 0), ("b-y", 30, 50, 20), ("c-z", 50, 55, 0)]
+    assert [(s.req_id, s.start, s.end, s.position) for s in layout.segments] == [
+        ("a-x", 0, 30, 0),
+        ("b-y", 30, 50, 20),
+        ("c-z", 50, 55, 0),
+    ]
     vllm_layout.verify(layout, positions, ids, expected)
     # The bug class of speculators #279: the same counts, requests in another order...
     swapped = vllm_layout.StepLayout.from_arrays(["b-y", "a-x", "c-z"], [0, 30, 50, 55], positions)
-    with pytest.raises(vllm_layout.LayoutError, match=r"request b-y: rows 0:30 carry token ids \[100, 101, 102, 103, "
-                                                      r"..., 128, 129\], not its prompt's \[200, 201"):
+    with pytest.raises(
+        vllm_layout.LayoutError,
+        match=r"request b-y: rows 0:30 carry token ids \[100, 101, 102, 103, "
+        r"..., 128, 129\], not its prompt's \[200, 201",
+    ):
         vllm_layout.verify(swapped, positions, ids, expected)
     # ...or the wrong boundaries.
     shifted = vllm_layout.StepLayout.from_arrays(["a-x", "b-y", "c-z"], [0, 25, 50, 55], positions)
-    with pytest.raises(vllm_layout.LayoutError, match=r"request b-y: rows 25:50 carry positions \[25, 26, 27, 28, "
-                                                      r"..., 38, 39\], not 25..49"):
+    with pytest.raises(
+        vllm_layout.LayoutError,
+        match=r"request b-y: rows 25:50 carry positions \[25, 26, 27, 28, "
+        r"..., 38, 39\], not 25..49",
+    ):
         vllm_layout.verify(shifted, positions, ids, expected)
     # Right positions, wrong tokens (two requests of equal length swapped).
     twin = {"a-x": (30, a), "b-y": (60, b), "c-z": (5, c + 1)}
@@ -335,10 +400,13 @@ def test_vllm_tap_reads_each_layer_class_signature():
     read = adapters.TAPS["vllm"].bind(DeepseekV2DecoderLayer())
     h, r = torch.ones(3, 4), torch.full((3, 4), 2.0)
     assert torch.equal(read((torch.arange(3), h, r), {}), h + r)
-    assert torch.equal(read((torch.arange(3), h, None), {}), h)              # layer 0: embeddings alone
+    assert torch.equal(read((torch.arange(3), h, None), {}), h)  # layer 0: embeddings alone
     assert torch.equal(read((), {"positions": None, "hidden_states": h, "residual": r}), h + r)
-    with pytest.raises(adapters.AdapterMismatch, match=r"HFStyleLayer.forward\(self, hidden_states, attention_mask=None\) "
-                                                       "has no 'residual' parameter"):
+    with pytest.raises(
+        adapters.AdapterMismatch,
+        match=r"HFStyleLayer.forward\(self, hidden_states, attention_mask=None\) "
+        "has no 'residual' parameter",
+    ):
         adapters.TAPS["vllm"].bind(HFStyleLayer())
 
     class DeepseekV2Model(torch.nn.Module):
@@ -349,8 +417,9 @@ def test_vllm_tap_reads_each_layer_class_signature():
     assert decoder.api("embed", "vllm").__name__ == "embed_input_ids"
     with pytest.raises(adapters.AdapterMismatch) as err:
         decoder.api("embed", "hf")
-    assert str(err.value) == ("'DeepseekV2Model' has no get_input_embeddings(), the hf API for embed; "
-                              "it has embed_input_ids()")
+    assert str(err.value) == (
+        "'DeepseekV2Model' has no get_input_embeddings(), the hf API for embed; it has embed_input_ids()"
+    )
 
 
 def test_worker_records_its_first_error_before_vllm_flattens_it(tmp_path, monkeypatch):
@@ -373,14 +442,27 @@ def test_worker_records_its_first_error_before_vllm_flattens_it(tmp_path, monkey
         patched_forward(torch.nn.Module())
     except AttributeError as exc:
         import traceback
-        exc.add_note(traceback.format_exc())       # what vLLM's _execute_worker_rpc does
-        record = logging.LogRecord("vllm.v1.executor.multiproc_executor", logging.ERROR, __file__, 1,
-                                   "WorkerProc hit an exception.", None, (type(exc), exc, exc.__traceback__))
+
+        exc.add_note(traceback.format_exc())  # what vLLM's _execute_worker_rpc does
+        record = logging.LogRecord(
+            "vllm.v1.executor.multiproc_executor",
+            logging.ERROR,
+            __file__,
+            1,
+            "WorkerProc hit an exception.",
+            None,
+            (type(exc), exc, exc.__traceback__),
+        )
         vllm_ext._ErrorHandler().emit(record)
-    vllm_ext.record_error(RuntimeError(), "later")              # not the first: ignored
+    vllm_ext.record_error(RuntimeError(), "later")  # not the first: ignored
     rec = json.loads((tmp_path / "tp-1.error.json").read_text())
-    assert (rec["type"], rec["message"], rec["tp_rank"], rec["role"], rec["driver_rank"]) == \
-        ("AttributeError", "'Module' object has no attribute 'get_input_embeddings'", 1, "tp-worker", 0)
+    assert (rec["type"], rec["message"], rec["tp_rank"], rec["role"], rec["driver_rank"]) == (
+        "AttributeError",
+        "'Module' object has no attribute 'get_input_embeddings'",
+        1,
+        "tp-worker",
+        0,
+    )
     assert rec["where"] == "vllm.v1.executor.multiproc_executor: WorkerProc hit an exception."
     assert rec["traceback"].count("Traceback (most recent call last)") == 1
     assert "in patched_forward" in rec["traceback"] and rec["pid"] == os.getpid()
@@ -392,8 +474,10 @@ def test_worker_records_its_first_error_before_vllm_flattens_it(tmp_path, monkey
     prefixed.write(" line\n(Worker_TP1 pid=7) INFO from vLLM\n")
     prefixed.write("tail")
     prefixed.close_partial()
-    assert out.getvalue() == ("(Worker_TP1 pid=7) hello world\n(Worker_TP1 pid=7) second line\n"
-                              "(Worker_TP1 pid=7) INFO from vLLM\n(Worker_TP1 pid=7) tail\n")
+    assert out.getvalue() == (
+        "(Worker_TP1 pid=7) hello world\n(Worker_TP1 pid=7) second line\n"
+        "(Worker_TP1 pid=7) INFO from vLLM\n(Worker_TP1 pid=7) tail\n"
+    )
 
 
 RAW_LOG = [
@@ -417,14 +501,13 @@ RAW_LOG = [
 
 
 def _split_targets(directory: Path) -> dict[str, list[bytes]]:
-    return {p.name: p.read_bytes().split(b"\n")[:-1] for p in sorted(directory.glob("*.log"))
-            if p.name != "rank-0.log"}
+    return {p.name: p.read_bytes().split(b"\n")[:-1] for p in sorted(directory.glob("*.log")) if p.name != "rank-0.log"}
 
 
 def test_log_split_routes_every_line_once_and_resumes_exactly(tmp_path):
     pids = {200: 0, 201: 1}
     raw = tmp_path / "rank-0.log"
-    raw.write_bytes(b"".join(RAW_LOG[:6]) + RAW_LOG[6][:20])          # a line still being written
+    raw.write_bytes(b"".join(RAW_LOG[:6]) + RAW_LOG[6][:20])  # a line still being written
     splitter = logsplit.LogSplitter(raw, tmp_path / "rank-0.split.json")
     assert splitter.pump(pids.get) == []
     with open(raw, "ab") as f:
@@ -436,7 +519,7 @@ def test_log_split_routes_every_line_once_and_resumes_exactly(tmp_path):
     resumed = logsplit.LogSplitter(raw, tmp_path / "rank-0.split.json")
     died = resumed.pump(pids.get, final=True)
     assert died == [(1, -9), (0, None)] and resumed.died == {1: -9, 0: None}
-    assert logsplit.LogSplitter(raw, tmp_path / "rank-0.split.json").died == {1: -9, 0: None}   # kept
+    assert logsplit.LogSplitter(raw, tmp_path / "rank-0.split.json").died == {1: -9, 0: None}  # kept
     logs = _split_targets(tmp_path)
     strip = lambda lines: [line + b"\n" for line in lines]  # noqa: E731
     assert strip(logs["tp-0.log"]) == [RAW_LOG[3], RAW_LOG[6], RAW_LOG[7], RAW_LOG[9]]
@@ -490,14 +573,27 @@ def test_group_supervises_tp_workers_as_ranks_without_an_engine(tmp_path):
         group = Group(run_id, "extract", attempt_id, 1, attempt_dir, 1, [], 0)
         group.ranks.append(Rank(0, attempt_dir / "rank-0.log", driver.pid, create_time(driver.pid), driver))
         for k, w in enumerate((w0, w1)):
-            (attempt_dir / f"tp-{k}.proc.json").write_text(json.dumps({
-                "tp_rank": k, "rank": k, "pid": w.pid, "create_time": create_time(w.pid), "device": "cpu",
-                "driver_rank": 0, "time": time.time()}))
+            (attempt_dir / f"tp-{k}.proc.json").write_text(
+                json.dumps(
+                    {
+                        "tp_rank": k,
+                        "rank": k,
+                        "pid": w.pid,
+                        "create_time": create_time(w.pid),
+                        "device": "cpu",
+                        "driver_rank": 0,
+                        "time": time.time(),
+                    }
+                )
+            )
         (attempt_dir / "rank-0.log").write_bytes(
-            f"(Worker pid={w0.pid}) starting\n(Worker_TP1 pid={w1.pid}) loading\nplain driver line\n".encode())
+            f"(Worker pid={w0.pid}) starting\n(Worker_TP1 pid={w1.pid}) loading\nplain driver line\n".encode()
+        )
         learnt, exits = group.poll()
-        assert [(r.rank, r.role, r.tp_rank, r.pid) for r in learnt] == [(1, "tp-worker", 0, w0.pid),
-                                                                         (2, "tp-worker", 1, w1.pid)]
+        assert [(r.rank, r.role, r.tp_rank, r.pid) for r in learnt] == [
+            (1, "tp-worker", 0, w0.pid),
+            (2, "tp-worker", 1, w1.pid),
+        ]
         assert exits == [] and group.ranks[0].role == "driver"
         assert (attempt_dir / "tp-1.log").read_text() == f"(Worker_TP1 pid={w1.pid}) loading\n"
         assert {w0.pid, w1.pid, driver.pid} <= group.member_pids()
@@ -518,42 +614,73 @@ def test_group_supervises_tp_workers_as_ranks_without_an_engine(tmp_path):
         w1.wait()
         time.sleep(0.05)
         _, exits = group.poll()
-        assert [(e.tp_rank, e.failed) for e in exits] == [(1, False)]     # vLLM has not spoken yet
+        assert [(e.tp_rank, e.failed) for e in exits] == [(1, False)]  # vLLM has not spoken yet
         died_at = exits[0].time
         assert died_at == group.workers[1].ended_at
         with open(attempt_dir / "rank-0.log", "ab") as f:
-            f.write(b"(EngineCore pid=1) ERROR Worker proc VllmWorker-1 died unexpectedly (exit code: -9), "
-                    b"shutting down executor.\n")
+            f.write(
+                b"(EngineCore pid=1) ERROR Worker proc VllmWorker-1 died unexpectedly (exit code: -9), "
+                b"shutting down executor.\n"
+            )
         _, exits = group.poll()
         assert [(e.tp_rank, e.signal, e.unexpected, e.failed) for e in exits] == [(1, 9, True, True)]
         # A worker's error record that came first is the root cause, even while it still runs.
-        (attempt_dir / "tp-0.error.json").write_text(json.dumps({
-            "type": "AttributeError", "message": "no", "traceback": "Traceback...", "pid": w0.pid,
-            "time": died_at - 1.0, "tp_rank": 0}))
+        (attempt_dir / "tp-0.error.json").write_text(
+            json.dumps(
+                {
+                    "type": "AttributeError",
+                    "message": "no",
+                    "traceback": "Traceback...",
+                    "pid": w0.pid,
+                    "time": died_at - 1.0,
+                    "tp_rank": 0,
+                }
+            )
+        )
         _, exits = group.poll()
         assert [(e.tp_rank, e.error["type"]) for e in exits] == [(0, "AttributeError")]
         assert [(e.tp_rank, e.rank) for e in group.failures()] == [(0, 1), (1, 2)]
         rec = describe_failure(group, group.failures()[1], "host")
         assert (rec.type, rec.role, rec.tp_rank, rec.source) == ("SIGKILL", "tp-worker", 1, "signal")
-        assert rec.message == (f"TP rank 1 (pid {w1.pid}) was killed by SIGKILL (signal 9): vLLM's executor "
-                                  "reported that it died unexpectedly")
+        assert rec.message == (
+            f"TP rank 1 (pid {w1.pid}) was killed by SIGKILL (signal 9): vLLM's executor "
+            "reported that it died unexpectedly"
+        )
         assert describe_failure(group, group.failures()[0], "host").path == str(attempt_dir / "tp-0.error.json")
         unknown = RankExit(2, w1.pid, None, None, died_at, tp_rank=1)
-        Group._mark_unexpected(unknown, None)          # vLLM: "(exit code: None)"
+        Group._mark_unexpected(unknown, None)  # vLLM: "(exit code: None)"
         assert unknown.failed and describe_failure(group, unknown, "host").type == "WorkerDied"
 
         # A restarted daemon re-adopts the workers from the store and resumes the split.
-        store.upsert_rank(db, attempt_id, 0, monitor_pid=driver.pid, monitor_create_time=create_time(driver.pid),
-                          state="running", role="driver")
+        store.upsert_rank(
+            db,
+            attempt_id,
+            0,
+            monitor_pid=driver.pid,
+            monitor_create_time=create_time(driver.pid),
+            state="running",
+            role="driver",
+        )
         for k, w in enumerate((w0, w1)):
-            store.upsert_rank(db, attempt_id, 1 + k, pid=w.pid, create_time=create_time(w.pid) if k == 0 else 1.0,
-                              state="running" if k == 0 else "failed", signal=None if k == 0 else 9,
-                              role="tp-worker", tp_rank=k, parent_rank=0)
+            store.upsert_rank(
+                db,
+                attempt_id,
+                1 + k,
+                pid=w.pid,
+                create_time=create_time(w.pid) if k == 0 else 1.0,
+                state="running" if k == 0 else "failed",
+                signal=None if k == 0 else 9,
+                role="tp-worker",
+                tp_rank=k,
+                parent_rank=0,
+            )
         fresh = daemon_core.Core(db, tmp_path)
         asyncio.run(fresh.recover())
         again = fresh.groups[attempt_id]
-        assert sorted((k, w.rank, w.pid, w.exit is not None) for k, w in again.workers.items()) == \
-            [(0, 1, w0.pid, False), (1, 2, w1.pid, True)]
+        assert sorted((k, w.rank, w.pid, w.exit is not None) for k, w in again.workers.items()) == [
+            (0, 1, w0.pid, False),
+            (1, 2, w1.pid, True),
+        ]
         assert again.splitter is not None and again.splitter.died == {1: -9}
         assert again.splitter.offset == (attempt_dir / "rank-0.log").stat().st_size
 
@@ -572,8 +699,13 @@ def test_group_supervises_tp_workers_as_ranks_without_an_engine(tmp_path):
 def test_tp1_llama_chunked_prefill_matches_hf(models, ext_dir, tmp_path):
     rows = token_rows(LENGTHS, seed=1)
     want = hf_reference(tmp_path / "hf", models["llama"], rows)
-    attempt = drive(tmp_path / "vllm", models["llama"], rows, ext_dir,
-                    options={"vllm": {"max_num_batched_tokens": 32, "max_num_seqs": 4}})
+    attempt = drive(
+        tmp_path / "vllm",
+        models["llama"],
+        rows,
+        ext_dir,
+        options={"vllm": {"max_num_batched_tokens": 32, "max_num_seqs": 4}},
+    )
     worst = assert_matches(tmp_path / "vllm" / "extract" / "hidden_states", want, rows)
     assert worst < 1e-5
     summary = json.loads((attempt / "summary.json").read_text())
@@ -581,12 +713,20 @@ def test_tp1_llama_chunked_prefill_matches_hf(models, ext_dir, tmp_path):
     # Several requests shared steps, and prompts were split across steps (chunked prefill).
     assert steps["max_requests_per_step"] >= 2 and steps["continued_segments"] >= 10
     assert steps["tokens"] == sum(LENGTHS)
-    assert (summary["samples"], summary["files_written"], summary["backend"], summary["tensor_parallel_size"]) == \
-        (len(rows), len(rows), "vllm", 1)
+    assert (summary["samples"], summary["files_written"], summary["backend"], summary["tensor_parallel_size"]) == (
+        len(rows),
+        len(rows),
+        "vllm",
+        1,
+    )
     cfg = json.loads((tmp_path / "vllm" / "extract" / "data_config.json").read_text())
     assert (cfg["backend"], cfg["tensor_parallel_size"], cfg["layer_ids"]) == ("vllm", 1, ALL_IDS)
-    assert cfg["vllm"] == {"version": "0.32.0", "model_class": "LlamaForCausalLM", "decoder_class": "LlamaModel",
-                           "layer_class": "LlamaDecoderLayer"}
+    assert cfg["vllm"] == {
+        "version": "0.32.0",
+        "model_class": "LlamaForCausalLM",
+        "decoder_class": "LlamaModel",
+        "layer_class": "LlamaDecoderLayer",
+    }
     assert cfg["versions"]["vllm"] == "0.32.0"
     proc = json.loads((attempt / "tp-0.proc.json").read_text())
     assert (proc["tp_rank"], proc["device"], proc["driver_rank"]) == (0, "cpu", 0)
@@ -609,8 +749,9 @@ def test_wrapper_adapter_serves_the_kimi_nesting(models, ext_dir, tmp_path):
     Kimi-K2.5): the multimodal adapter finds it; the states are the plain model's."""
     rows = token_rows(LENGTHS[:8], seed=3)
     want = hf_reference(tmp_path / "hf", models["deepseek_v3"], rows)
-    attempt = drive(tmp_path / "vllm", models["kimi"], rows, ext_dir,
-                    options={"worker_extension": "wrapper_ext.WrapperExtension"})
+    attempt = drive(
+        tmp_path / "vllm", models["kimi"], rows, ext_dir, options={"worker_extension": "wrapper_ext.WrapperExtension"}
+    )
     assert assert_matches(tmp_path / "vllm" / "extract" / "hidden_states", want, rows) < 1e-5
     cfg = json.loads((tmp_path / "vllm" / "extract" / "data_config.json").read_text())
     assert cfg["model"]["architecture"] == "KimiK25ForConditionalGeneration"
@@ -622,10 +763,12 @@ def test_wrapper_adapter_serves_the_kimi_nesting(models, ext_dir, tmp_path):
 # --- engines: TP=2 under the daemon --------------------------------------------------------------
 
 
-def run_toml(name: str, output_dir: Path, target: Path, tp: int, options: dict | None = None,
-             batch_size: int = 4) -> str:
-    return extract_toml(name, output_dir, target, backend="vllm", tp=tp, batch_size=batch_size,
-                        layer_ids=ALL_IDS, options=options or {})
+def run_toml(
+    name: str, output_dir: Path, target: Path, tp: int, options: dict | None = None, batch_size: int = 4
+) -> str:
+    return extract_toml(
+        name, output_dir, target, backend="vllm", tp=tp, batch_size=batch_size, layer_ids=ALL_IDS, options=options or {}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -641,7 +784,7 @@ def vdaemon(ext_dir):
             yield d.start()
         finally:
             d.cleanup()
-            if not os.environ.get("EYAS_TEST_KEEP_HOME"):   # set it to read the daemon's files after a failure
+            if not os.environ.get("EYAS_TEST_KEEP_HOME"):  # set it to read the daemon's files after a failure
                 shutil.rmtree(home, ignore_errors=True)
 
 
@@ -649,11 +792,14 @@ def group_processes(d: Daemon, run_id: int, tp: int) -> list[psutil.Process]:
     """Once every TP worker has registered: the rank monitor, the driver and everything below
     it (EngineCore, the workers, multiprocessing's resource tracker). vLLM renames its
     processes (setproctitle), which blanks their /proc environ, so they are found by tree."""
+
     def ready():
         run = d.run(run_id)
         if run["state"] in ("succeeded", "failed", "cancelled"):
-            raise AssertionError(f"run {run_id} ended before its TP workers were seen: {run['state']}, "
-                                 f"{run['stages'][0]['attempt_list'][-1]}")
+            raise AssertionError(
+                f"run {run_id} ended before its TP workers were seen: {run['state']}, "
+                f"{run['stages'][0]['attempt_list'][-1]}"
+            )
         ranks = d.ranks(run_id, "extract")
         driver = next((r for r in ranks if r["rank"] == 0 and r["pid"]), None)
         if driver is None or sum(1 for r in ranks if r["role"] == "tp-worker") < tp:
@@ -663,6 +809,7 @@ def group_processes(d: Daemon, run_id: int, tp: int) -> list[psutil.Process]:
             return [root.parent(), root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             return None
+
     return wait_for(ready, 240, 0.05, "the TP workers to register")
 
 
@@ -687,15 +834,25 @@ def seed_runs(vdaemon, models, tmp_path_factory):
     out = tmp_path_factory.mktemp("seed")
     rows = token_rows(SEED_LENGTHS, seed=4)
     write_dataset(out, rows)
-    seed = vdaemon.submit(run_toml("seed", out, models["deepseek_v3"], 2,
-                                   {"worker_extension": "seed_ext.Speculators030Worker"}), "seed.toml")
+    seed = vdaemon.submit(
+        run_toml("seed", out, models["deepseek_v3"], 2, {"worker_extension": "seed_ext.Speculators030Worker"}),
+        "seed.toml",
+    )
     seed_procs = group_processes(vdaemon, seed, 2)
     seed_run = vdaemon.wait_run(seed, timeout=300)
     ok = vdaemon.submit(run_toml("eyas", out, models["deepseek_v3"], 2), "eyas.toml")
     ok_procs = group_processes(vdaemon, ok, 2)
     ok_run = vdaemon.wait_run(ok, timeout=300)
-    return {"out": out, "rows": rows, "seed": seed, "seed_run": seed_run, "seed_procs": seed_procs,
-            "ok": ok, "ok_run": ok_run, "ok_procs": ok_procs}
+    return {
+        "out": out,
+        "rows": rows,
+        "seed": seed,
+        "seed_run": seed_run,
+        "seed_procs": seed_procs,
+        "ok": ok,
+        "ok_run": ok_run,
+        "ok_procs": ok_procs,
+    }
 
 
 def test_seed_regression_root_cause_is_the_workers_attribute_error(vdaemon, seed_runs):
@@ -707,12 +864,17 @@ def test_seed_regression_root_cause_is_the_workers_attribute_error(vdaemon, seed
     assert root["message"] == "'DeepseekV2Model' object has no attribute 'get_input_embeddings'"
     assert root["role"] == "tp-worker" and root["tp_rank"] in (0, 1) and root["rank"] == 1 + root["tp_rank"]
     assert "get_input_embeddings(input_ids)" in root["traceback"] and "patched_forward" in root["traceback"]
-    assert root["traceback"].rstrip().endswith(
-        "AttributeError: 'DeepseekV2Model' object has no attribute 'get_input_embeddings'")
-    assert root["traceback"].count("Traceback (most recent call last)") == 1   # vLLM's note copy dropped
+    assert (
+        root["traceback"]
+        .rstrip()
+        .endswith("AttributeError: 'DeepseekV2Model' object has no attribute 'get_input_embeddings'")
+    )
+    assert root["traceback"].count("Traceback (most recent call last)") == 1  # vLLM's note copy dropped
     assert root["path"].endswith(f"tp-{root['tp_rank']}.error.json")
-    assert attempt["reason"] == (f"TP rank {root['tp_rank']} failed: AttributeError: 'DeepseekV2Model' object has "
-                                 "no attribute 'get_input_embeddings'")
+    assert attempt["reason"] == (
+        f"TP rank {root['tp_rank']} failed: AttributeError: 'DeepseekV2Model' object has "
+        "no attribute 'get_input_embeddings'"
+    )
     assert run["reason"] == f"extract: {attempt['reason']}"
     # Never vLLM's flattened message: the driver's error is recorded, after the worker's.
     errors = [e for e in errors_of(vdaemon, seed_runs["seed"]) if e["attempt"] == attempt["number"]]
@@ -721,13 +883,16 @@ def test_seed_regression_root_cause_is_the_workers_attribute_error(vdaemon, seed
     assert all(not e["root_cause"] and e["time"] > root["time"] for e in driver)
     # Both TP ranks are ranks of the attempt, with their own logs; the group is gone.
     ranks = {r["rank"]: r for r in attempt["ranks"]}
-    assert [(r["rank"], r["role"], r["tp_rank"]) for r in attempt["ranks"]] == \
-        [(0, "driver", None), (1, "tp-worker", 0), (2, "tp-worker", 1)]
+    assert [(r["rank"], r["role"], r["tp_rank"]) for r in attempt["ranks"]] == [
+        (0, "driver", None),
+        (1, "tp-worker", 0),
+        (2, "tp-worker", 1),
+    ]
     assert ranks[1 + root["tp_rank"]]["state"] == "failed"
     assert all(r["pid"] for r in attempt["ranks"]) and ranks[1]["log_path"].endswith("/tp-0.log")
     procs = seed_runs["seed_procs"]
     titles = " ".join(p.name() + " " + " ".join(p.cmdline()) for p in procs if p.is_running())
-    assert len(procs) >= 6, titles    # monitor, driver, resource tracker, EngineCore, 2 workers
+    assert len(procs) >= 6, titles  # monitor, driver, resource tracker, EngineCore, 2 workers
     assert {r["pid"] for r in attempt["ranks"]} <= {p.pid for p in procs}
     assert [p for p in procs if p.is_running()] == []
     tp_logs = {k: Path(attempt["dir"], f"tp-{k}.log").read_text() for k in (0, 1)}
@@ -735,8 +900,9 @@ def test_seed_regression_root_cause_is_the_workers_attribute_error(vdaemon, seed
         # The extension's plain print landed in its own worker's log, prefixed by eyas.
         assert f"seed extension: TP rank {k} patches the base model's forward" in tp_logs[k]
         assert f"seed extension: TP rank {1 - k} patches" not in tp_logs[k]
-    assert "AttributeError: 'DeepseekV2Model' object has no attribute 'get_input_embeddings'" in \
-        tp_logs[root["tp_rank"]]
+    assert (
+        "AttributeError: 'DeepseekV2Model' object has no attribute 'get_input_embeddings'" in tp_logs[root["tp_rank"]]
+    )
 
 
 def test_then_eyas_extracts_the_same_target_at_tp2_matching_hf(seed_runs, models, tmp_path):
@@ -748,8 +914,11 @@ def test_then_eyas_extracts_the_same_target_at_tp2_matching_hf(seed_runs, models
     want = hf_reference(tmp_path / "hf", models["deepseek_v3"], rows)
     assert assert_matches(seed_runs["out"] / "extract" / "hidden_states", want, rows) < 1e-5
     attempt = attempt_of(run)
-    assert [(r["rank"], r["role"], r["tp_rank"], r["state"]) for r in attempt["ranks"]] == \
-        [(0, "driver", None, "exited"), (1, "tp-worker", 0, "exited"), (2, "tp-worker", 1, "exited")]
+    assert [(r["rank"], r["role"], r["tp_rank"], r["state"]) for r in attempt["ranks"]] == [
+        (0, "driver", None, "exited"),
+        (1, "tp-worker", 0, "exited"),
+        (2, "tp-worker", 1, "exited"),
+    ]
     assert attempt["root_cause"] is None
     assert [p for p in seed_runs["ok_procs"] if p.is_running()] == []
 
@@ -786,13 +955,17 @@ def test_sigkilled_tp_worker_is_the_root_cause_and_the_group_goes(vdaemon, model
     rows = token_rows(KILL_LENGTHS, seed=6)
     out = tmp_path / "kill"
     write_dataset(out, rows)
-    run_id = vdaemon.submit(run_toml("kill", out, models["llama"], 2, {"worker_extension": "slow_ext.SlowExtension"}),
-                            "kill.toml")
+    run_id = vdaemon.submit(
+        run_toml("kill", out, models["llama"], 2, {"worker_extension": "slow_ext.SlowExtension"}), "kill.toml"
+    )
     hs_dir = out / "extract" / "hidden_states"
-    worker = wait_for(lambda: next((r for r in vdaemon.ranks(run_id, "extract") if r["tp_rank"] == 1 and r["pid"]),
-                                   None), 240, what="TP rank 1 to register")
+    worker = wait_for(
+        lambda: next((r for r in vdaemon.ranks(run_id, "extract") if r["tp_rank"] == 1 and r["pid"]), None),
+        240,
+        what="TP rank 1 to register",
+    )
     members = group_processes(vdaemon, run_id, 2)
-    assert len(members) >= 6          # monitor, driver, resource tracker, EngineCore, 2 workers
+    assert len(members) >= 6  # monitor, driver, resource tracker, EngineCore, 2 workers
     wait_for(lambda: len(hswriter.existing(hs_dir)) >= 8, 240, 0.01, "8 files")
     assert all(p.is_running() for p in members)
     os.kill(worker["pid"], signal.SIGKILL)
@@ -801,13 +974,24 @@ def test_sigkilled_tp_worker_is_the_root_cause_and_the_group_goes(vdaemon, model
     attempt = attempt_of(run)
     root = attempt["root_cause"]
     # vLLM's executor names the exit code it saw; "None" when it looked before reaping the worker.
-    report = re.search(r"Worker proc VllmWorker-1 died unexpectedly \(exit code: (-?\d+|None)\)",
-                       Path(attempt["dir"], "driver.log").read_text()).group(1)
-    kind, how, sig = {"-9": ("SIGKILL", "was killed by SIGKILL (signal 9)", 9),
-                      "None": ("WorkerDied", "ended (its exit status was not known yet when vLLM looked)", None)}[report]
-    assert (root["type"], root["rank"], root["role"], root["tp_rank"], root["pid"]) == \
-        (kind, 2, "tp-worker", 1, worker["pid"])
-    assert root["message"] == f"TP rank 1 (pid {worker['pid']}) {how}: vLLM's executor reported that it died unexpectedly"
+    report = re.search(
+        r"Worker proc VllmWorker-1 died unexpectedly \(exit code: (-?\d+|None)\)",
+        Path(attempt["dir"], "driver.log").read_text(),
+    ).group(1)
+    kind, how, sig = {
+        "-9": ("SIGKILL", "was killed by SIGKILL (signal 9)", 9),
+        "None": ("WorkerDied", "ended (its exit status was not known yet when vLLM looked)", None),
+    }[report]
+    assert (root["type"], root["rank"], root["role"], root["tp_rank"], root["pid"]) == (
+        kind,
+        2,
+        "tp-worker",
+        1,
+        worker["pid"],
+    )
+    assert (
+        root["message"] == f"TP rank 1 (pid {worker['pid']}) {how}: vLLM's executor reported that it died unexpectedly"
+    )
     ranks = {r["rank"]: r for r in attempt["ranks"]}
     assert (ranks[2]["state"], ranks[2]["signal"]) == ("failed", sig)
     assert attempt["reason"].startswith(f"TP rank 1 failed: {kind}: TP rank 1 (pid {worker['pid']})")

@@ -49,8 +49,15 @@ def age(path: Path, before: float) -> None:
 
 def test_library_temp_names():
     assert atomic.is_library_temp(".tmpAbC123")
-    for name in (".hs_3.safetensors.41.0.tmp", ".tmp-epoch-1-41", ".tmpAbC12", ".tmpAbC1234", ".tmpAb-123",
-                 "tmpAbC1234", ".tmpAbC12é"):
+    for name in (
+        ".hs_3.safetensors.41.0.tmp",
+        ".tmp-epoch-1-41",
+        ".tmpAbC12",
+        ".tmpAbC1234",
+        ".tmpAb-123",
+        "tmpAbC1234",
+        ".tmpAbC12é",
+    ):
         assert not atomic.is_library_temp(name), name
 
 
@@ -76,7 +83,7 @@ def test_extract_resume_removes_safetensors_leftovers_and_keeps_complete_files(t
 
     run_stage(tmp_path / "out", target, batch_size=2)
     assert not stale.exists() and live.exists()
-    assert {n: (hs_dir / n).stat().st_ino for n in kept} == kept      # complete files untouched
+    assert {n: (hs_dir / n).stat().st_ino for n in kept} == kept  # complete files untouched
     assert sha256s(extract_dir) == before
     live.unlink()
     assert sorted(p.name for p in hs_dir.iterdir()) == sorted(f"hs_{i}.safetensors" for i in range(len(lengths)))
@@ -100,8 +107,9 @@ class _Draft(torch.nn.Module):
 def test_checkpoint_clean_removes_safetensors_leftovers_and_keeps_complete_checkpoints(tmp_path):
     root = tmp_path / "checkpoints"
     model = _Draft()
-    done = checkpoint.save(root, "epoch-1", model, model.state_dict(), {"state": {}, "param_groups": []},
-                           {"global_step": 4})
+    done = checkpoint.save(
+        root, "epoch-1", model, model.state_dict(), {"state": {}, "param_groups": []}, {"global_step": 4}
+    )
     checkpoint.set_best(root, "epoch-1")
     files = {p: p.read_bytes() for p in done.rglob("*") if p.is_file()}
     # A save killed inside its temp dir (safetensors' file in it), and one at the top level.
@@ -110,7 +118,7 @@ def test_checkpoint_clean_removes_safetensors_leftovers_and_keeps_complete_check
     safetensors_leftover(partial, "model.safetensors")
     top = safetensors_leftover(root, "model.safetensors")
 
-    assert checkpoint.clean(root) == 2        # what train's resume runs on the main rank
+    assert checkpoint.clean(root) == 2  # what train's resume runs on the main rank
     assert not partial.exists() and not top.exists()
     assert sorted(p.name for p in root.iterdir()) == ["best", "epoch-1"]
     assert {p: p.read_bytes() for p in done.rglob("*") if p.is_file()} == files

@@ -33,16 +33,22 @@ NO_GEN = assets.CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgen
 STRIP_HISTORY = NO_GEN.replace(
     "{{ message['content'] }}<|end|>{% endif %}{% endfor %}",
     "{% if loop.last %}{{ message['content'] }}{% else %}{{ message['content'].split('</think>')[-1] }}{% endif %}"
-    "<|end|>{% endif %}{% endfor %}")
+    "<|end|>{% endif %}{% endfor %}",
+)
 # Its generation prompt pre-fills <think> (as DeepSeek-R1's does).
-SCAFFOLD = NO_GEN.replace("{% if add_generation_prompt %}<|assistant|>{% endif %}",
-                          "{% if add_generation_prompt %}<|assistant|><think>{% endif %}")
+SCAFFOLD = NO_GEN.replace(
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}",
+    "{% if add_generation_prompt %}<|assistant|><think>{% endif %}",
+)
 # Raises on one content, as templates do on roles that do not alternate.
-RAISING = ("{% for m in messages %}{% if m['content'] == 'BOOM' %}{{ raise_exception('no booms') }}{% endif %}"
-           "{% endfor %}" + assets.CHAT_TEMPLATE)
+RAISING = (
+    "{% for m in messages %}{% if m['content'] == 'BOOM' %}{{ raise_exception('no booms') }}{% endif %}"
+    "{% endfor %}" + assets.CHAT_TEMPLATE
+)
 
 
 # --- fixtures and helpers -------------------------------------------------------------------
+
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> Path:
@@ -78,12 +84,22 @@ def messages(conv: dict) -> list[dict]:
     return [{"role": ROLE[t["from"]], "content": t["value"]} for t in conv["conversations"]]
 
 
-def config(target: Path, data: Path, fmt: str = "auto", max_length: int = 256, limit: int = 0,
-           fraction: float = 0.1, seed: int = 0) -> dict:
-    return RunConfig(name="t", target=TargetConfig(path=str(target), dtype="float32"),
-                     data=DataConfig(path=str(data), format=fmt, max_length=max_length, limit=limit,
-                                     validation_fraction=fraction),
-                     draft=DraftConfig(vocab_size=64), train=TrainConfig(seed=seed)).to_dict()
+def config(
+    target: Path,
+    data: Path,
+    fmt: str = "auto",
+    max_length: int = 256,
+    limit: int = 0,
+    fraction: float = 0.1,
+    seed: int = 0,
+) -> dict:
+    return RunConfig(
+        name="t",
+        target=TargetConfig(path=str(target), dtype="float32"),
+        data=DataConfig(path=str(data), format=fmt, max_length=max_length, limit=limit, validation_fraction=fraction),
+        draft=DraftConfig(vocab_size=64),
+        train=TrainConfig(seed=seed),
+    ).to_dict()
 
 
 def rows_of(out: Path) -> list[tuple[list[int], list[int]]]:
@@ -98,15 +114,26 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 # --- the main path --------------------------------------------------------------------------
 
+
 def test_sharegpt_jsonl_with_malformed_rows(tiny, tokenizer, tmp_path):
     data = assets.write_dataset(tmp_path / "chat.jsonl", n=60, seed=3)
     summary = run_prepare(config(tiny, data, fraction=0.1, seed=7), tmp_path / "out")
     stage = tmp_path / "out" / "prepare"
     assert summary == {
-        "rows_in": 66, "rows_out": 60, "skipped": {r: 1 for r in SKIP_REASONS if r in assets.MALFORMED_LINES},
-        "skipped_total": 6, "truncated": 0, "tokens": summary["tokens"],
-        "trainable_tokens": summary["trainable_tokens"], "validation_rows": 6, "mask_method": {"generation": 60},
-        "max_length": 256, "row_byte_limit": 2**20, "target_vocab_size": 512, "data_path": str(data), "data_files": 1,
+        "rows_in": 66,
+        "rows_out": 60,
+        "skipped": {r: 1 for r in SKIP_REASONS if r in assets.MALFORMED_LINES},
+        "skipped_total": 6,
+        "truncated": 0,
+        "tokens": summary["tokens"],
+        "trainable_tokens": summary["trainable_tokens"],
+        "validation_rows": 6,
+        "mask_method": {"generation": 60},
+        "max_length": 256,
+        "row_byte_limit": 2**20,
+        "target_vocab_size": 512,
+        "data_path": str(data),
+        "data_files": 1,
         "outputs": [str(stage / "dataset"), str(stage / "token_freq.npy"), str(stage / "splits.json")],
     }
     assert list(summary["skipped"]) == [r for r in SKIP_REASONS if r in assets.MALFORMED_LINES]
@@ -124,9 +151,13 @@ def test_sharegpt_jsonl_with_malformed_rows(tiny, tokenizer, tmp_path):
     # speculators' columns and types; the torch format as speculators saves it.
     ds = datasets.load_from_disk(str(stage / "dataset"))
     assert ds.column_names == ["input_ids", "loss_mask", "seq_len"]
-    assert ds.features == datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
-                                             "loss_mask": datasets.List(datasets.Value("int64")),
-                                             "seq_len": datasets.Value("int64")})
+    assert ds.features == datasets.Features(
+        {
+            "input_ids": datasets.List(datasets.Value("int32")),
+            "loss_mask": datasets.List(datasets.Value("int64")),
+            "seq_len": datasets.Value("int64"),
+        }
+    )
     assert ds.format["type"] == "torch"
     assert ds.with_format(None)["seq_len"] == [len(ids) for ids, _ in got]
 
@@ -141,14 +172,18 @@ def test_sharegpt_jsonl_with_malformed_rows(tiny, tokenizer, tmp_path):
     assert freq.sum() == summary["trainable_tokens"]
 
     splits = json.loads((stage / "splits.json").read_text())
-    assert splits == {"rows": 60, "validation_fraction": 0.1, "seed": 7,
-                      "validation": prepare.validation_rows(60, 0.1, 7)}
+    assert splits == {
+        "rows": 60,
+        "validation_fraction": 0.1,
+        "seed": 7,
+        "validation": prepare.validation_rows(60, 0.1, 7),
+    }
     assert len(splits["validation"]) == 6
 
     # Progress counts rows processed; the last line has the final totals.
     progress = tmp_path / "out/attempts/attempt-1/rank-0.progress.jsonl"
     records = [json.loads(x) for x in progress.read_text().splitlines()]
-    lines = [r for r in records if "heartbeat" not in r]     # heartbeats carry no counts
+    lines = [r for r in records if "heartbeat" not in r]  # heartbeats carry no counts
     assert [r["heartbeat"] for r in records if "heartbeat" in r] == ["count rows", "save dataset", "publish dataset"]
     assert (lines[-1]["samples"], lines[-1]["samples_total"], lines[-1]["tokens"]) == (66, 66, summary["tokens"])
     assert lines[0]["samples_total"] == 66
@@ -163,9 +198,11 @@ def test_every_input_form_gives_the_same_rows(tiny, tmp_path):
     array.write_text(json.dumps(convs, indent=2))
     openai = write_jsonl(forms / "openai.jsonl", [{"messages": messages(c)} for c in convs])
     split = lambda text: [{"type": "text", "text": text[:5]}, {"type": "text", "text": text[5:]}]  # noqa: E731
-    parts = write_jsonl(forms / "parts.jsonl", [{"messages": [{"role": m["role"], "content": split(m["content"])}
-                                                              for m in messages(c)]} for c in convs])
-    folder = tmp_path / "folder"   # read in sorted order: a-*.jsonl, then b-*.json
+    parts = write_jsonl(
+        forms / "parts.jsonl",
+        [{"messages": [{"role": m["role"], "content": split(m["content"])} for m in messages(c)]} for c in convs],
+    )
+    folder = tmp_path / "folder"  # read in sorted order: a-*.jsonl, then b-*.json
     folder.mkdir()
     write_jsonl(folder / "a-first.jsonl", convs[:5])
     (folder / "b-rest.json").write_text(json.dumps([{"messages": messages(c)} for c in convs[5:]]))
@@ -173,8 +210,12 @@ def test_every_input_form_gives_the_same_rows(tiny, tmp_path):
     reference = run_prepare(config(tiny, sharegpt, fmt="sharegpt"), tmp_path / "ref")
     want = rows_of(tmp_path / "ref")
     assert reference["rows_out"] == 12 and reference["mask_method"] == {"generation": 12}
-    for name, path, fmt in (("array", array, "auto"), ("openai", openai, "openai"), ("parts", parts, "auto"),
-                            ("folder", folder, "auto")):
+    for name, path, fmt in (
+        ("array", array, "auto"),
+        ("openai", openai, "openai"),
+        ("parts", parts, "auto"),
+        ("folder", folder, "auto"),
+    ):
         summary = run_prepare(config(tiny, path, fmt=fmt), tmp_path / name)
         assert (summary["rows_in"], summary["rows_out"], summary["skipped"]) == (12, 12, {}), name
         assert rows_of(tmp_path / name) == want, name
@@ -189,17 +230,23 @@ def test_every_input_form_gives_the_same_rows(tiny, tmp_path):
 def test_openai_messages_with_system_turn_and_reasoning(tiny, tokenizer, variant, tmp_path):
     """The exact masked spans: each assistant content, <think> reasoning included, plus <|end|>."""
     answers = ["<think>two plus three is five</think>Five.", "<think>five plus four</think>Nine, I think."]
-    conv = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Add two and three."},
-            {"role": "assistant", "content": answers[0]}, {"role": "user", "content": "And four more?"},
-            {"role": "assistant", "content": answers[1]}]
+    conv = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Add two and three."},
+        {"role": "assistant", "content": answers[0]},
+        {"role": "user", "content": "And four more?"},
+        {"role": "assistant", "content": answers[1]},
+    ]
     data = write_jsonl(tmp_path / "one.jsonl", [{"messages": conv}])
     for name, target in (("generation", tiny), ("prefix", variant("nogen", NO_GEN))):
         summary = run_prepare(config(target, data), tmp_path / name)
         assert summary["mask_method"] == {name: 1}
         ((ids, mask),) = rows_of(tmp_path / name)
-        assert tokenizer.decode(ids) == ("<|bos|><|system|>You are terse.<|end|><|user|>Add two and three.<|end|>"
-                                         f"<|assistant|>{answers[0]}<|end|><|user|>And four more?<|end|>"
-                                         f"<|assistant|>{answers[1]}<|end|>")
+        assert tokenizer.decode(ids) == (
+            "<|bos|><|system|>You are terse.<|end|><|user|>Add two and three.<|end|>"
+            f"<|assistant|>{answers[0]}<|end|><|user|>And four more?<|end|>"
+            f"<|assistant|>{answers[1]}<|end|>"
+        )
         assert [tokenizer.decode(ids[a:b]) for a, b in spans(mask)] == [a + END for a in answers], name
         think = tokenizer.convert_tokens_to_ids("<think>")
         assert [m for t, m in zip(ids, mask) if t == think] == [1, 1]
@@ -217,17 +264,25 @@ def test_prefix_masks_equal_generation_masks(tokenizer):
 
 def test_prefilled_generation_prompt_falls_back_to_the_common_prefix(tokenizer):
     renderer = MaskedRenderer(tokenizer, template=SCAFFOLD)
-    conv = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "<think>greet</think>Hello."},
-            {"role": "user", "content": "Bye."}, {"role": "assistant", "content": "Goodbye."}]
+    conv = [
+        {"role": "user", "content": "Hi."},
+        {"role": "assistant", "content": "<think>greet</think>Hello."},
+        {"role": "user", "content": "Bye."},
+        {"role": "assistant", "content": "Goodbye."},
+    ]
     ids, mask = renderer.render(conv)
     # The pre-filled <think> belongs to the prompt; a turn without it is masked from its start.
     assert [tokenizer.decode(ids[a:b]) for a, b in spans(mask)] == ["greet</think>Hello." + END, "Goodbye." + END]
 
 
 def test_template_that_rewrites_history_is_refused_naming_the_turn(tokenizer, variant, tmp_path):
-    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
-            {"role": "assistant", "content": "<think>greet</think>Hello."}, {"role": "user", "content": "Bye."},
-            {"role": "assistant", "content": "Goodbye."}]
+    conv = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi."},
+        {"role": "assistant", "content": "<think>greet</think>Hello."},
+        {"role": "user", "content": "Bye."},
+        {"role": "assistant", "content": "Goodbye."},
+    ]
     with pytest.raises(TemplateMismatch) as info:
         MaskedRenderer(tokenizer, template=STRIP_HISTORY).render(conv)
     assert info.value.turn == 2
@@ -240,18 +295,22 @@ def test_template_that_rewrites_history_is_refused_naming_the_turn(tokenizer, va
     # Through the stage: it stops at the row, names it and the turn, and publishes nothing.
     good = [{"messages": conv[:3]}, {"messages": conv[1:2] + conv[3:]}]
     data = write_jsonl(tmp_path / "bad.jsonl", good + [{"messages": conv}] + good)
-    with pytest.raises(TemplateMismatch,
-                       match=r"^bad\.jsonl:3: the chat template re-renders the conversation at turn 2"):
+    with pytest.raises(
+        TemplateMismatch, match=r"^bad\.jsonl:3: the chat template re-renders the conversation at turn 2"
+    ):
         run_prepare(config(variant("strip", STRIP_HISTORY), data), tmp_path / "out")
     assert sorted(p.name for p in (tmp_path / "out" / "prepare").iterdir()) == []
 
 
 def test_truncation_and_rows_without_trainable_tokens(tiny, tokenizer, tmp_path):
     convs = [messages(c) for c in assets.conversations(30, seed=7)]
-    convs += [[{"role": "user", "content": " ".join(["count the red stones"] * 12)},   # assistant past the cut
-               {"role": "assistant", "content": "Twelve."}],
-              [{"role": "system", "content": "Only a system turn and a question."},
-               {"role": "user", "content": "Why?"}]]
+    convs += [
+        [
+            {"role": "user", "content": " ".join(["count the red stones"] * 12)},  # assistant past the cut
+            {"role": "assistant", "content": "Twelve."},
+        ],
+        [{"role": "system", "content": "Only a system turn and a question."}, {"role": "user", "content": "Why?"}],
+    ]
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in convs])
     renderer = MaskedRenderer(tokenizer)
     full = [renderer.render(c) for c in convs]
@@ -263,7 +322,7 @@ def test_truncation_and_rows_without_trainable_tokens(tiny, tokenizer, tmp_path)
     summary = run_prepare(config(tiny, data, max_length=32), tmp_path / "out")
     assert (summary["rows_in"], summary["rows_out"], summary["truncated"]) == (32, len(kept), cut)
     assert summary["skipped"] == {"no_trainable_tokens": dropped}
-    assert summary["mask_method"] == {"generation": len(kept)}   # rows kept, by how they were masked
+    assert summary["mask_method"] == {"generation": len(kept)}  # rows kept, by how they were masked
     assert rows_of(tmp_path / "out") == kept
     assert max(len(ids) for ids, _ in kept) == 32
 
@@ -273,45 +332,67 @@ def test_each_skip_reason_is_counted_exactly(variant, tmp_path, caplog):
     chat = lambda *turns: {"messages": [{"role": r, "content": c} for r, c in turns]}  # noqa: E731
     ok = ("assistant", "ok")
     bad: list[tuple[str, bytes]] = list(assets.MALFORMED_LINES.items())
-    bad += [(reason, json.dumps(row).encode() + b"\n") for reason, row in [
-        ("wrong_type", [1, 2]), ("wrong_type", {"conversations": "hi"}),
-        ("wrong_type", {"messages": [["user", "hi"]]}), ("wrong_type", {"messages": [{"role": 7, "content": "x"}]}),
-        ("wrong_type", {"input_ids": [1, True], "loss_mask": [0, 1]}),
-        ("wrong_type", {"input_ids": [1, 2], "loss_mask": [0, 2]}),
-        ("wrong_type", {"messages": [{"role": "user", "content": [{"type": "image", "url": "x.png"}]},
-                                     {"role": "assistant", "content": "ok"}]}),
-        ("missing_field", {"text": "hello"}), ("missing_field", {"input_ids": [1, 2]}),
-        ("empty_conversation", {"conversations": []}),
-        ("missing_role", {"messages": [{"content": "x"}, {"role": "assistant", "content": "ok"}]}),
-        ("unknown_role", chat(("tool", "42"), ok)),
-        ("empty_content", chat(("user", "   "), ok)), ("empty_content", chat(("user", None), ok)),
-        ("empty_content", {"conversations": [{"from": "human"}, {"from": "gpt", "value": "ok"}]}),
-        ("empty_content", {"input_ids": [], "loss_mask": []}),
-        ("length_mismatch", {"input_ids": [1, 2, 3], "loss_mask": [0, 1]}),
-        ("token_out_of_range", {"input_ids": [1, 512], "loss_mask": [0, 1]}),
-        ("token_out_of_range", {"input_ids": [-1, 5], "loss_mask": [0, 1]}),
-        ("template_error", chat(("user", "BOOM"), ok)),
-        ("no_trainable_tokens", chat(("user", "Only a question?"))),
-        ("no_trainable_tokens", {"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}),
-    ]]
+    bad += [
+        (reason, json.dumps(row).encode() + b"\n")
+        for reason, row in [
+            ("wrong_type", [1, 2]),
+            ("wrong_type", {"conversations": "hi"}),
+            ("wrong_type", {"messages": [["user", "hi"]]}),
+            ("wrong_type", {"messages": [{"role": 7, "content": "x"}]}),
+            ("wrong_type", {"input_ids": [1, True], "loss_mask": [0, 1]}),
+            ("wrong_type", {"input_ids": [1, 2], "loss_mask": [0, 2]}),
+            (
+                "wrong_type",
+                {
+                    "messages": [
+                        {"role": "user", "content": [{"type": "image", "url": "x.png"}]},
+                        {"role": "assistant", "content": "ok"},
+                    ]
+                },
+            ),
+            ("missing_field", {"text": "hello"}),
+            ("missing_field", {"input_ids": [1, 2]}),
+            ("empty_conversation", {"conversations": []}),
+            ("missing_role", {"messages": [{"content": "x"}, {"role": "assistant", "content": "ok"}]}),
+            ("unknown_role", chat(("tool", "42"), ok)),
+            ("empty_content", chat(("user", "   "), ok)),
+            ("empty_content", chat(("user", None), ok)),
+            ("empty_content", {"conversations": [{"from": "human"}, {"from": "gpt", "value": "ok"}]}),
+            ("empty_content", {"input_ids": [], "loss_mask": []}),
+            ("length_mismatch", {"input_ids": [1, 2, 3], "loss_mask": [0, 1]}),
+            ("token_out_of_range", {"input_ids": [1, 512], "loss_mask": [0, 1]}),
+            ("token_out_of_range", {"input_ids": [-1, 5], "loss_mask": [0, 1]}),
+            ("template_error", chat(("user", "BOOM"), ok)),
+            ("no_trainable_tokens", chat(("user", "Only a question?"))),
+            ("no_trainable_tokens", {"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}),
+        ]
+    ]
     # Over the row byte limit (1 MiB at max_length 256): skipped unread, whatever it holds.
     bad += [("too_long", json.dumps(chat(("user", "x" * 2**20), ok)).encode() + b"\n")]
-    bad += [("invalid_json", b'{"messages": [}\n'), ("invalid_json", b'{"a": ' + b"[" * 10**5 + b"]" * 10**5 + b"}\n"),
-            ("not_utf8", b'{"messages": [{"role": "user", "content": "caf\\udce9"}, '
-                         b'{"role": "assistant", "content": "ok"}]}\n')]
+    bad += [
+        ("invalid_json", b'{"messages": [}\n'),
+        ("invalid_json", b'{"a": ' + b"[" * 10**5 + b"]" * 10**5 + b"}\n"),
+        (
+            "not_utf8",
+            b'{"messages": [{"role": "user", "content": "caf\\udce9"}, {"role": "assistant", "content": "ok"}]}\n',
+        ),
+    ]
     lines = []
-    for i, row in enumerate(good):       # bad lines between good ones, blank lines too
+    for i, row in enumerate(good):  # bad lines between good ones, blank lines too
         lines.append(json.dumps(row).encode() + b"\n")
-        lines += [line for _, line in bad[i::len(good)]]
+        lines += [line for _, line in bad[i :: len(good)]]
         lines.append(b"\n")
     folder = tmp_path / "data"
     folder.mkdir()
     (folder / "a.jsonl").write_bytes(b"".join(lines))
     # A JSON array: a stray byte stays inside its own row; a non-object row is the wrong type.
     # An element over the row byte limit is skipped before it is rendered.
-    (folder / "b.json").write_bytes(b'[' + json.dumps(good[0]).encode() + b', 5, {"conversations": [{"from": "human", '
-                                    b'"value": "caf\xe9"}, {"from": "gpt", "value": "ok"}]}, '
-                                    + json.dumps(chat(("user", "y" * 2**20), ok)).encode() + b']')
+    (folder / "b.json").write_bytes(
+        b"[" + json.dumps(good[0]).encode() + b', 5, {"conversations": [{"from": "human", '
+        b'"value": "caf\xe9"}, {"from": "gpt", "value": "ok"}]}, '
+        + json.dumps(chat(("user", "y" * 2**20), ok)).encode()
+        + b"]"
+    )
     expected: dict[str, int] = {}
     for reason in [r for r, _ in bad] + ["wrong_type", "not_utf8", "too_long"]:
         expected[reason] = expected.get(reason, 0) + 1
@@ -336,7 +417,7 @@ def test_limit_counts_kept_rows(tiny, tmp_path):
     lines = data.read_bytes().splitlines()
     good = [i for i, line in enumerate(lines) if line in {json.dumps(c).encode() for c in assets.conversations(30, 2)}]
     assert summary["rows_out"] == 10
-    assert summary["rows_in"] == good[9] + 1   # reading stops once 10 rows are kept
+    assert summary["rows_in"] == good[9] + 1  # reading stops once 10 rows are kept
     assert rows_of(tmp_path / "ten") == rows_of(tmp_path / "all")[:10]
 
 
@@ -347,8 +428,8 @@ def test_validation_rows():
     assert prepare.validation_rows(200, 0.05, 1) != picked
     assert prepare.validation_rows(200, 0.0, 0) == []
     assert prepare.validation_rows(1, 0.5, 0) == []
-    assert len(prepare.validation_rows(10, 0.01, 0)) == 1     # a fraction > 0 holds out at least one row
-    assert len(prepare.validation_rows(10, 1.0, 0)) == 9      # and always leaves one to train on
+    assert len(prepare.validation_rows(10, 0.01, 0)) == 1  # a fraction > 0 holds out at least one row
+    assert len(prepare.validation_rows(10, 1.0, 0)) == 9  # and always leaves one to train on
 
 
 def test_retry_replaces_a_complete_output_only_when_done(tiny, variant, tmp_path):
@@ -359,8 +440,12 @@ def test_retry_replaces_a_complete_output_only_when_done(tiny, variant, tmp_path
     assert {str(p) for p in before} >= {"summary.json", "token_freq.npy", "splits.json", "dataset/state.json"}
 
     # An attempt that fails mid-way (row 3 hits a template that rewrites history).
-    conv = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "<think>x</think>Hello."},
-            {"role": "user", "content": "Bye."}, {"role": "assistant", "content": "Bye."}]
+    conv = [
+        {"role": "user", "content": "Hi."},
+        {"role": "assistant", "content": "<think>x</think>Hello."},
+        {"role": "user", "content": "Bye."},
+        {"role": "assistant", "content": "Bye."},
+    ]
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": conv[:2]}] * 2 + [{"messages": conv}])
     with pytest.raises(TemplateMismatch):
         run_prepare(config(variant("strip", STRIP_HISTORY), bad), out, attempt=2)
@@ -368,8 +453,9 @@ def test_retry_replaces_a_complete_output_only_when_done(tiny, variant, tmp_path
 
     # A crashed attempt's temp folder is cleared; the next one replaces everything.
     (stage / ".prepare-tmp-2-999" / "dataset").mkdir(parents=True)
-    summary = run_prepare(config(tiny, assets.write_dataset(tmp_path / "b.jsonl", n=8, seed=4, malformed=False)),
-                          out, attempt=3)
+    summary = run_prepare(
+        config(tiny, assets.write_dataset(tmp_path / "b.jsonl", n=8, seed=4, malformed=False)), out, attempt=3
+    )
     assert summary["rows_out"] == 8
     assert sorted(p.name for p in stage.iterdir()) == ["dataset", "splits.json", "summary.json", "token_freq.npy"]
     assert len(rows_of(out)) == 8
@@ -379,13 +465,17 @@ def test_retry_replaces_a_complete_output_only_when_done(tiny, variant, tmp_path
 def test_unusable_input_fails_with_a_clear_message(tiny, variant, tmp_path):
     junk = tmp_path / "junk.jsonl"
     junk.write_bytes(assets.MALFORMED_LINES["invalid_json"] + assets.MALFORMED_LINES["wrong_type"])
-    with pytest.raises(ValueError, match=r"no usable rows in .*junk\.jsonl \(2 read, skipped: "
-                                         r"\{'invalid_json': 1, 'wrong_type': 1\}\); fix the data"):
+    with pytest.raises(
+        ValueError,
+        match=r"no usable rows in .*junk\.jsonl \(2 read, skipped: "
+        r"\{'invalid_json': 1, 'wrong_type': 1\}\); fix the data",
+    ):
         run_prepare(config(tiny, junk), tmp_path / "o1")
     broken = tmp_path / "broken.json"
     broken.write_text('[{"messages": []},\n {"messages": ]')
-    with pytest.raises(DataError,
-                       match=r"broken\.json: line 2, column \d+: not valid JSON .*write one JSON object per line"):
+    with pytest.raises(
+        DataError, match=r"broken\.json: line 2, column \d+: not valid JSON .*write one JSON object per line"
+    ):
         run_prepare(config(tiny, broken), tmp_path / "o2")
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -415,9 +505,15 @@ def test_pretokenized_rows_match_speculators_passthrough(tiny, tokenizer, tmp_pa
 def test_data_stages_through_the_daemon(daemon, tiny, tmp_path):  # noqa: F811
     """prepare → extract (2 ranks) → vocab as rank groups under a real daemon."""
     data = assets.write_dataset(tmp_path / "chat.jsonl")
-    toml = run_toml("prep", ["prepare", "extract", "vocab"], target={"path": tiny, "dtype": "float32"},
-                    data={"path": data, "max_length": 256, "validation_fraction": 0.1}, extract={"batch_size": 8},
-                    draft={"vocab_size": 256}, resources={"ranks": 2, "devices": "cpu"})
+    toml = run_toml(
+        "prep",
+        ["prepare", "extract", "vocab"],
+        target={"path": tiny, "dtype": "float32"},
+        data={"path": data, "max_length": 256, "validation_fraction": 0.1},
+        extract={"batch_size": 8},
+        draft={"vocab_size": 256},
+        resources={"ranks": 2, "devices": "cpu"},
+    )
     run_id = daemon.submit(toml)
     run = daemon.wait_run(run_id, timeout=180)
     assert run["state"] == "succeeded", run
@@ -470,8 +566,19 @@ def test_a_200_mb_row_is_skipped_unread_and_memory_stays_bounded(tiny, tmp_path)
     try:
         assert data.stat().st_size > huge
         cfg = config(tiny, data, max_length=256)
-        p = subprocess.run([sys.executable, "-c", _PREPARE_IN_A_CHILD, str(Path(prepare_harness.__file__).parent), json.dumps(cfg),
-                            str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _PREPARE_IN_A_CHILD,
+                str(Path(prepare_harness.__file__).parent),
+                json.dumps(cfg),
+                str(tmp_path / "out"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert p.returncode == 0, p.stderr[-3000:]
         result = json.loads(p.stdout.splitlines()[-1])
     finally:
@@ -485,6 +592,8 @@ def test_a_200_mb_row_is_skipped_unread_and_memory_stays_bounded(tiny, tmp_path)
     assert rows == [tuple(map(list, renderer.render(messages(c)))) for c in good]
     log = p.stderr
     assert f"skipped huge.jsonl:3 (too_long): {huge} bytes of JSON, over the 1048576-byte limit" in log
-    print(f"prepare with a {huge / 1e6:.0f} MB row: peak RSS {result['peak_rss'] / 2**20:.0f} MiB, "
-          f"{result['seconds']:.1f} s")
+    print(
+        f"prepare with a {huge / 1e6:.0f} MB row: peak RSS {result['peak_rss'] / 2**20:.0f} MiB, "
+        f"{result['seconds']:.1f} s"
+    )
     assert result["peak_rss"] < 2**30

@@ -44,6 +44,7 @@ def exit_fields(record: dict) -> dict:
 
 # --- the monitor and the runtime -----------------------------------------------------------
 
+
 def test_success_records_pids_progress_exit_and_result(start_rank):
     r = start_rank({"steps": 10, "step_time": 0.1})
     proc = r.proc_json()
@@ -57,7 +58,12 @@ def test_success_records_pids_progress_exit_and_result(start_rank):
     assert r.wait() == 0
 
     assert exit_fields(r.json("exit.json")) == {
-        "pid": proc["pid"], "exit_code": 0, "signal": None, "signal_name": None, "core_dumped": False}
+        "pid": proc["pid"],
+        "exit_code": 0,
+        "signal": None,
+        "signal_name": None,
+        "core_dumped": False,
+    }
     assert not r.file("error.json").exists()
     last = r.progress()[-1]
     assert (last["samples"], last["samples_total"], last["tokens"], last["tokens_total"]) == (10, 10, 1000, 1000)
@@ -71,19 +77,22 @@ def test_success_records_pids_progress_exit_and_result(start_rank):
     assert not list(r.attempt_dir.glob(".*.tmp"))  # atomic writes left no temp files
 
 
-@pytest.mark.parametrize("mode, type_, message, code", [
-    ("raise-empty", "RuntimeError", "", 1),
-    ("raise", "RuntimeError", "selftest failure", 1),
-    ("exit", "SystemExit", "exit code 3", 3),
-])
+@pytest.mark.parametrize(
+    "mode, type_, message, code",
+    [
+        ("raise-empty", "RuntimeError", "", 1),
+        ("raise", "RuntimeError", "selftest failure", 1),
+        ("exit", "SystemExit", "exit code 3", 3),
+    ],
+)
 def test_exception_is_recorded_in_error_json(start_rank, mode, type_, message, code):
-    r = start_rank({"fail": mode, "fail_rank": 1, "fail_at_step": 2, "step_time": 0.01},
-                   rank=1, world_size=2, attempt=2)
+    r = start_rank(
+        {"fail": mode, "fail_rank": 1, "fail_at_step": 2, "step_time": 0.01}, rank=1, world_size=2, attempt=2
+    )
     assert r.wait() == code
     error = r.json("error.json")
     exit_ = exit_fields(r.json("exit.json"))
-    assert exit_ == {"pid": error["pid"], "exit_code": code, "signal": None, "signal_name": None,
-                     "core_dumped": False}
+    assert exit_ == {"pid": error["pid"], "exit_code": code, "signal": None, "signal_name": None, "core_dumped": False}
     assert error["pid"] == r.json("proc.json")["pid"]
     assert (error["type"], error["message"]) == (type_, message)
     assert "selftest.py" in error["traceback"] and type_ in error["traceback"]
@@ -109,7 +118,8 @@ def test_bad_selftest_option_names_the_fix(start_rank):
     assert (error["type"], error["message"]) == (
         "ValueError",
         "stages.selftest.options.fail: unknown value 'explode'; use one of: raise, raise-empty, exit, segfault, "
-        "sigkill, children, hang")
+        "sigkill, children, hang",
+    )
 
 
 def test_sigkill_is_named_by_the_monitor(start_rank):
@@ -117,7 +127,12 @@ def test_sigkill_is_named_by_the_monitor(start_rank):
     assert r.wait() == 128 + 9
     pid = r.json("proc.json")["pid"]
     assert exit_fields(r.json("exit.json")) == {
-        "pid": pid, "exit_code": None, "signal": 9, "signal_name": "SIGKILL", "core_dumped": False}
+        "pid": pid,
+        "exit_code": None,
+        "signal": 9,
+        "signal_name": "SIGKILL",
+        "core_dumped": False,
+    }
     assert not r.file("error.json").exists()
     assert f"eyas: rank 0 (pid {pid}) was killed by SIGKILL\n" in r.log()
 
@@ -135,8 +150,12 @@ def test_segfault_leaves_a_stack_in_the_log(start_rank):
     stack = log.split("Fatal Python error: Segmentation fault", 1)[1]
     assert re.search(r'File ".*selftest\.py", line \d+ in _fail', stack)
     assert exit_fields(r.json("exit.json")) == {
-        "pid": r.json("proc.json")["pid"], "exit_code": None, "signal": 11, "signal_name": "SIGSEGV",
-        "core_dumped": False}
+        "pid": r.json("proc.json")["pid"],
+        "exit_code": None,
+        "signal": 11,
+        "signal_name": "SIGSEGV",
+        "core_dumped": False,
+    }
     assert not r.file("error.json").exists()
 
 
@@ -147,7 +166,12 @@ def test_worker_killed_from_outside(start_rank):
     os.kill(pid, signal.SIGKILL)
     assert r.wait() == 137
     assert exit_fields(r.json("exit.json")) == {
-        "pid": pid, "exit_code": None, "signal": 9, "signal_name": "SIGKILL", "core_dumped": False}
+        "pid": pid,
+        "exit_code": None,
+        "signal": 9,
+        "signal_name": "SIGKILL",
+        "core_dumped": False,
+    }
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
@@ -158,7 +182,12 @@ def test_signal_to_the_monitor_is_forwarded(start_rank, sig):
     os.kill(r.proc.pid, sig)
     assert r.wait() == 128 + sig
     assert exit_fields(r.json("exit.json")) == {
-        "pid": pid, "exit_code": None, "signal": int(sig), "signal_name": sig.name, "core_dumped": False}
+        "pid": pid,
+        "exit_code": None,
+        "signal": int(sig),
+        "signal_name": sig.name,
+        "core_dumped": False,
+    }
     assert f"eyas: rank 0 (pid {pid}) was killed by {sig.name}\n" in r.log()
     assert not psutil.pid_exists(pid)  # the monitor reaped it
 
@@ -225,10 +254,12 @@ def test_flood_of_20000_lines_per_second_loses_nothing(start_rank):
 
 
 def test_workers_modules_stay_light():
-    code = ("import sys, eyas.workers.runtime.monitor, eyas.workers.runtime.rank, eyas.workers.runtime.progress, "
-            "eyas.workers.runtime.atomic, eyas.workers.stages.selftest; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & "
-            "{'torch', 'numpy', 'transformers', 'vllm', 'textual', 'eyas.daemon', 'eyas.tui'}))")
+    code = (
+        "import sys, eyas.workers.runtime.monitor, eyas.workers.runtime.rank, eyas.workers.runtime.progress, "
+        "eyas.workers.runtime.atomic, eyas.workers.stages.selftest; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'torch', 'numpy', 'transformers', 'vllm', 'textual', 'eyas.daemon', 'eyas.tui'}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out == "[]\n"
 
@@ -238,6 +269,7 @@ def test_log_format_starts_with_a_timestamp():
 
 
 # --- progress writer ------------------------------------------------------------
+
 
 def test_progress_writer_throttles_but_never_loses_the_last_update(tmp_path):
     path = tmp_path / "p.jsonl"
@@ -272,6 +304,7 @@ def test_progress_writer_writes_again_after_the_interval(tmp_path):
 
 # --- atomic writes -------------------------------------------------------------------------
 
+
 def test_atomic_write_replaces_whole_and_cleans_up_on_failure(tmp_path):
     target = tmp_path / "x.json"
     atomic.write_json(target, {"a": 1})
@@ -289,6 +322,7 @@ def test_atomic_write_replaces_whole_and_cleans_up_on_failure(tmp_path):
 
 
 # --- the end of a rank ----------------------------------------------------------------------
+
 
 def test_a_finished_rank_ends_at_once_despite_a_thread_that_never_ends(start_rank):
     r = start_rank({"steps": 2, "step_time": 0.01, "linger_thread": True})
@@ -323,6 +357,7 @@ def test_done_json_follows_error_json_on_failure(start_rank):
 
 # --- heartbeats -------------------------------------------------------------------------------
 
+
 def test_beating_writes_heartbeats_at_the_interval_and_stops(tmp_path):
     path = tmp_path / "p.jsonl"
     writer = ProgressWriter(path)
@@ -330,14 +365,14 @@ def test_beating_writes_heartbeats_at_the_interval_and_stops(tmp_path):
     with writer.beating("load weights", every=0.2):
         time.sleep(1.1)
     beats = [r for r in read_new(path, 0)[0] if "heartbeat" in r]
-    assert [set(b) for b in beats] == [{"time", "heartbeat"}] * len(beats)   # no counts
+    assert [set(b) for b in beats] == [{"time", "heartbeat"}] * len(beats)  # no counts
     assert {b["heartbeat"] for b in beats} == {"load weights"}
-    assert 5 <= len(beats) <= 7, beats     # one at entry, then one every 0.2 s
+    assert 5 <= len(beats) <= 7, beats  # one at entry, then one every 0.2 s
     gaps = [b["time"] - a["time"] for a, b in zip(beats, beats[1:])]
     assert all(0.15 < g < 0.6 for g in gaps), gaps
     size = path.stat().st_size
     time.sleep(0.5)
-    assert path.stat().st_size == size      # stopped with the block
+    assert path.stat().st_size == size  # stopped with the block
     assert not [t for t in threading.enumerate() if t.name.startswith("heartbeat-")]
     writer.close()
 

@@ -32,7 +32,7 @@ def one_thread():
     bitwise-equal resumes need the same reduction order in both runs."""
     threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"     # the stages' own thread rule then keeps out
+    os.environ["OMP_NUM_THREADS"] = "1"  # the stages' own thread rule then keeps out
     yield
     torch.set_num_threads(threads)
     if env is None:
@@ -75,8 +75,9 @@ def test_trains_and_writes_speculators_checkpoints(inputs, trained):
     assert s["val_loss"] < s["val_loss_initial"]
     best = min(history[1:], key=lambda h: h["val_loss"])
     assert os.readlink(root / "best") == f"epoch-{int(best['epoch'])}"
-    assert s["outputs"] == [str(root / f"epoch-{int(best['epoch'])}")] + \
-        ([str(root / "epoch-2")] if best["epoch"] != 2 else [])
+    assert s["outputs"] == [str(root / f"epoch-{int(best['epoch'])}")] + (
+        [str(root / "epoch-2")] if best["epoch"] != 2 else []
+    )
     assert (s["resumed_from"], s["steps_this_attempt"], s["world_size"], s["strategy"]) == (None, steps, 1, "single")
 
     cfg_json = json.loads((root / "epoch-2" / "config.json").read_text())
@@ -87,11 +88,13 @@ def test_trains_and_writes_speculators_checkpoints(inputs, trained):
     assert cfg_json["transformer_layer_config"]["num_hidden_layers"] == 1
     assert cfg_json["transformer_layer_config"]["layer_types"] == ["full_attention"]
     weights = load_file(root / "epoch-2" / "model.safetensors")
-    assert not [k for k in weights if k.startswith("verifier_")]      # speculators never saves them
+    assert not [k for k in weights if k.startswith("verifier_")]  # speculators never saves them
     # The only weights file at the top: vLLM loads every *.safetensors there.
     assert sorted(p.name for p in (root / "epoch-2").glob("*.safetensors")) == ["model.safetensors"]
-    assert sorted(p.name for p in (root / "epoch-2" / "training").iterdir()) == ["optimizer.safetensors",
-                                                                                  "trainer_state.json"]
+    assert sorted(p.name for p in (root / "epoch-2" / "training").iterdir()) == [
+        "optimizer.safetensors",
+        "trainer_state.json",
+    ]
     assert {"d2t", "t2d", "fc.weight", "lm_head.weight", "embed_tokens.weight"} <= set(weights)
     assert torch.equal(weights["d2t"], torch.from_numpy(np.load(base / "vocab" / "d2t-256.npy")))
 
@@ -111,16 +114,28 @@ def test_reports_speculators_metrics_per_step_and_validation(trained):
     s = summary(ctx)
     records = progress_records(ctx)
     steps = [r for r in records if "step" in r]
-    assert [r["step"] for r in steps] == list(range(1, s["steps"] + 1))      # min_interval=0: every step
-    for name in ("loss", "loss_0", "loss_2", "acc_0", "acc_1", "acc_2", "cond_acc_0", "cond_acc_2", "lr",
-                 "grad_norm", "step_tok_s", "epoch"):
+    assert [r["step"] for r in steps] == list(range(1, s["steps"] + 1))  # min_interval=0: every step
+    for name in (
+        "loss",
+        "loss_0",
+        "loss_2",
+        "acc_0",
+        "acc_1",
+        "acc_2",
+        "cond_acc_0",
+        "cond_acc_2",
+        "lr",
+        "grad_norm",
+        "step_tok_s",
+        "epoch",
+    ):
         assert all(name in r for r in steps), name
     first = steps[0]
     # speculators' loss is the sum over the TTT steps.
     assert first["loss"] == pytest.approx(first["loss_0"] + first["loss_1"] + first["loss_2"], rel=1e-5)
     # Full accuracy at step k needs every step up to k right: it can only fall with k.
     assert all(r["acc_0"] >= r["acc_1"] >= r["acc_2"] for r in steps)
-    assert first["lr"] == 1e-3 and steps[-1]["lr"] < first["lr"]           # linear decay, no warmup
+    assert first["lr"] == 1e-3 and steps[-1]["lr"] < first["lr"]  # linear decay, no warmup
     vals = [r for r in records if "val_step" in r]
     assert [r["val_step"] for r in vals] == [0, s["steps"] // 2, s["steps"]]
     assert {"val_loss", "val_acc_0", "val_cond_acc_2"} <= set(vals[0])
@@ -154,7 +169,7 @@ def test_a_retry_resumes_from_the_checkpoint_and_ends_where_an_uninterrupted_run
     s = summary(ctx)
     assert (s["resumed_from"], s["resumed_at_step"], s["steps_this_attempt"]) == ("step-3", 3, total - 3)
     records = progress_records(ctx)
-    assert records[0]["samples"] > 0 and records[0]["tokens"] > 0       # counted from the checkpoint on
+    assert records[0]["samples"] > 0 and records[0]["tokens"] > 0  # counted from the checkpoint on
     assert [r["step"] for r in records if "step" in r][0] == 4
     # Same batches, same noise, same optimizer and schedule state: the same weights, bit for bit.
     for name in ("epoch-1", "epoch-2"):
@@ -179,8 +194,11 @@ def test_resuming_a_finished_run_trains_nothing_more(trained):
 def test_refuses_to_resume_another_setup(inputs, trained):
     out, cfg, _ = trained
     other = dict(cfg, train=dict(cfg["train"], batch_tokens=640))
-    with pytest.raises(checkpoint.CheckpointError, match=r"written by another training setup \(batch_tokens: 512 "
-                                                         r"there, 640 now\); delete .*/train/checkpoints to start over"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"written by another training setup \(batch_tokens: 512 "
+        r"there, 640 now\); delete .*/train/checkpoints to start over",
+    ):
         run_stage(train, "train", out, other)
 
 
@@ -240,9 +258,12 @@ def test_optimizer_state_round_trips_through_safetensors_and_json():
 
     sd = get_optimizer_state_dict(model, opt)
     tensors, rest = checkpoint.flatten_optimizer(sd)
-    assert sorted(tensors) == sorted(f"state/{p}/{k}" for p in ("0.weight", "0.bias", "1.weight", "1.bias")
-                                     for k in ("step", "exp_avg", "exp_avg_sq"))
-    json.dumps(rest)        # the rest is plain JSON
+    assert sorted(tensors) == sorted(
+        f"state/{p}/{k}"
+        for p in ("0.weight", "0.bias", "1.weight", "1.bias")
+        for k in ("step", "exp_avg", "exp_avg_sq")
+    )
+    json.dumps(rest)  # the rest is plain JSON
     back = checkpoint.unflatten_optimizer(tensors, json.loads(json.dumps(rest)))
     assert back["param_groups"][0]["betas"] == (0.8, 0.9)
     assert back["param_groups"][0]["params"] == sd["param_groups"][0]["params"]
@@ -255,23 +276,32 @@ def test_packing_is_speculators_and_the_same_on_every_call():
     lengths = [30, 100, 70, 20, 90, 60, 50, 40, 80, 10]
     r0 = train_data.plan(lengths, 200, 2, 0, seed=1, epoch=0)
     r1 = train_data.plan(lengths, 200, 2, 1, seed=1, epoch=0)
-    assert len(r0) == len(r1) > 0                                       # every rank runs the same steps
+    assert len(r0) == len(r1) > 0  # every rank runs the same steps
     assert all(sum(lengths[i] for i in b) <= 200 for b in r0 + r1)
-    assert len({i for b in r0 + r1 for i in b}) == sum(len(b) for b in r0 + r1)      # no row twice
+    assert len({i for b in r0 + r1 for i in b}) == sum(len(b) for b in r0 + r1)  # no row twice
     assert train_data.plan(lengths, 200, 2, 0, seed=1, epoch=0) == r0
-    assert train_data.plan(lengths, 200, 2, 0, seed=1, epoch=1) != r0                # reshuffled per epoch
+    assert train_data.plan(lengths, 200, 2, 0, seed=1, epoch=1) != r0  # reshuffled per epoch
     assert train_data.plan([5], 200, 2, 0, seed=1, epoch=0) == []
     assert train_data.batch_tokens_of([1, 2], lengths, 1000) == 99 + 69
     assert train_data.batch_tokens_of([1, 2], lengths, 150) == 150
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"schedule": "linear"}, "stages.train.options.schedule: unknown key; did you mean 'stages.train.options.scheduler'"),
-    ({"scheduler": "step"}, "stages.train.options.scheduler: unknown value 'step'; use one of: linear, cosine, constant"),
-    ({"save_every": "3"}, "stages.train.options.save_every: expected an integer, got string '3'"),
-    ({"log_every": 0}, "stages.train.options.log_every: 0 is out of range; use an integer >= 1"),
-    ({"attention": "simple_flex_attention"}, "flex attention has no CPU backward; use \"sdpa\" on CPU"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (
+            {"schedule": "linear"},
+            "stages.train.options.schedule: unknown key; did you mean 'stages.train.options.scheduler'",
+        ),
+        (
+            {"scheduler": "step"},
+            "stages.train.options.scheduler: unknown value 'step'; use one of: linear, cosine, constant",
+        ),
+        ({"save_every": "3"}, "stages.train.options.save_every: expected an integer, got string '3'"),
+        ({"log_every": 0}, "stages.train.options.log_every: 0 is out of range; use an integer >= 1"),
+        ({"attention": "simple_flex_attention"}, 'flex attention has no CPU backward; use "sdpa" on CPU'),
+    ],
+)
 def test_bad_options_get_one_clear_line(inputs, tmp_path, options, message):
     _, _, cfg = inputs
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -292,6 +322,9 @@ def test_missing_inputs_name_the_stage_to_run(inputs, tmp_path):
         run_stage(train, "train", out, cfg)
     copy_inputs(base, tmp_path / "b")
     (tmp_path / "b" / "extract" / "hidden_states" / "hs_3.safetensors").unlink()
-    with pytest.raises(train_data.DataError, match=r"samples have no hidden-states file \(first: hs_3.safetensors\); "
-                                                   "run the extract stage to completion"):
+    with pytest.raises(
+        train_data.DataError,
+        match=r"samples have no hidden-states file \(first: hs_3.safetensors\); "
+        "run the extract stage to completion",
+    ):
         run_stage(train, "train", tmp_path / "b", cfg)

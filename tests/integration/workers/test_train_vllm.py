@@ -47,7 +47,7 @@ def test_vllm_loads_the_trained_draft_as_an_eagle3_speculator_and_generates(llam
     rc, result, out = vllm_generate(target, draft)
     assert rc == 0 and result is not None, out[-4000:]
     assert "Loading drafter model" in out
-    assert [len(ids) for ids in result["token_ids"]] == [24, 24]       # greedy to max_tokens: no early stop
+    assert [len(ids) for ids in result["token_ids"]] == [24, 24]  # greedy to max_tokens: no early stop
     m = result["metrics"]
     # The draft proposed tokens for the target to verify: speculative decoding really ran.
     assert m["vllm:spec_decode_num_drafts"] > 0

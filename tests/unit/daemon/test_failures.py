@@ -13,16 +13,38 @@ GLOO_LOST = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection clo
 
 
 def _group(exits: list[RankExit]) -> Group:
-    g = Group(run_id=1, stage="train", attempt_id=1, attempt=1, dir=Path("/nonexistent"), world_size=len(exits),
-              devices=[], master_port=29500)
-    g.ranks = [Rank(rank=e.rank, log_path=Path(f"/nonexistent/rank-{e.rank}.log"), monitor_pid=0,
-                    monitor_create_time=None, exit=e) for e in exits]
+    g = Group(
+        run_id=1,
+        stage="train",
+        attempt_id=1,
+        attempt=1,
+        dir=Path("/nonexistent"),
+        world_size=len(exits),
+        devices=[],
+        master_port=29500,
+    )
+    g.ranks = [
+        Rank(
+            rank=e.rank,
+            log_path=Path(f"/nonexistent/rank-{e.rank}.log"),
+            monitor_pid=0,
+            monitor_create_time=None,
+            exit=e,
+        )
+        for e in exits
+    ]
     return g
 
 
 def _raised(rank: int, t: float, type_: str, message: str) -> RankExit:
-    return RankExit(rank=rank, pid=100 + rank, exit_code=1, signal=None, time=t + 0.05,
-                    error={"type": type_, "message": message, "time": t, "traceback": ""})
+    return RankExit(
+        rank=rank,
+        pid=100 + rank,
+        exit_code=1,
+        signal=None,
+        time=t + 0.05,
+        error={"type": type_, "message": message, "time": t, "traceback": ""},
+    )
 
 
 def _killed(rank: int, t: float, sig: int = signal.SIGKILL) -> RankExit:

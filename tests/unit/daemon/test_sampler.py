@@ -102,8 +102,7 @@ PARENT = textwrap.dedent("""
 @pytest.fixture
 def burner():
     """A parent python with two CPU-burning children, in its own session like a rank's monitor."""
-    proc = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, start_new_session=True)
     kids: list[int] = []
     try:
         kids = [int(x) for x in proc.stdout.readline().split()]
@@ -133,12 +132,28 @@ def _wait_gone(pid: int) -> None:
         time.sleep(0.05)
 
 
-def ref_for(tree, tmp_path: Path, *, rank: int = 0, attempt_id: int = 7, create_time: float | None = None,
-            stage: str = "train", progress: Path | None = None, **kw) -> RankRef:
-    return RankRef(run_id=1, stage=stage, attempt=2, attempt_id=attempt_id, rank=rank,
-                   root_pid=tree.pid if tree else None,
-                   root_create_time=(tree.create_time if create_time is None else create_time) if tree else None,
-                   progress_path=progress or tmp_path / f"rank-{rank}.progress.jsonl", **kw)
+def ref_for(
+    tree,
+    tmp_path: Path,
+    *,
+    rank: int = 0,
+    attempt_id: int = 7,
+    create_time: float | None = None,
+    stage: str = "train",
+    progress: Path | None = None,
+    **kw,
+) -> RankRef:
+    return RankRef(
+        run_id=1,
+        stage=stage,
+        attempt=2,
+        attempt_id=attempt_id,
+        rank=rank,
+        root_pid=tree.pid if tree else None,
+        root_create_time=(tree.create_time if create_time is None else create_time) if tree else None,
+        progress_path=progress or tmp_path / f"rank-{rank}.progress.jsonl",
+        **kw,
+    )
 
 
 def rows(res, name: str, rank: int | None = 0) -> list[dict]:
@@ -160,10 +175,16 @@ def test_tree_cpu_rss_and_descendants(burner, tmp_path):
     first = s.sample([ref])
     # First sight of each process: psutil has no earlier reading to diff against.
     assert one(first, "cpu_percent") == 0.0
-    assert first.metrics[0] == {"time": first.metrics[0]["time"], "run_id": 1, "stage": "train",
-                                "attempt": 2, "rank": 0, "name": "cpu_percent", "value": 0.0}
-    expected = {burner.pid: burner.create_time,
-                **{k: psutil.Process(k).create_time() for k in burner.kids}}
+    assert first.metrics[0] == {
+        "time": first.metrics[0]["time"],
+        "run_id": 1,
+        "stage": "train",
+        "attempt": 2,
+        "rank": 0,
+        "name": "cpu_percent",
+        "value": 0.0,
+    }
+    expected = {burner.pid: burner.create_time, **{k: psutil.Process(k).create_time() for k in burner.kids}}
     assert dict(first.descendants[(7, 0)]) == expected
 
     deadline = time.monotonic() + DEADLINE_S
@@ -214,12 +235,26 @@ def test_rank_without_process_yet(tmp_path):
 
 def test_gpu_memory_per_rank_from_an_nvml_object(burner, tmp_path):
     k1, k2 = burner.kids
-    nvml = DictNvml([
-        {"name": "NVIDIA H200", "uuid": "GPU-a", "used": 9000, "total": 150_000, "util": 40,
-         "procs": {burner.pid: 1000, k1: 2000, 999_999_999: 5000}},  # last: not ours
-        {"name": "NVIDIA H200", "uuid": "GPU-b", "used": 7000, "total": 150_000, "util": None,
-         "procs": {k1: 4000, k2: None}},  # None: NVML could not say
-    ])
+    nvml = DictNvml(
+        [
+            {
+                "name": "NVIDIA H200",
+                "uuid": "GPU-a",
+                "used": 9000,
+                "total": 150_000,
+                "util": 40,
+                "procs": {burner.pid: 1000, k1: 2000, 999_999_999: 5000},
+            },  # last: not ours
+            {
+                "name": "NVIDIA H200",
+                "uuid": "GPU-b",
+                "used": 7000,
+                "total": 150_000,
+                "util": None,
+                "procs": {k1: 4000, k2: None},
+            },  # None: NVML could not say
+        ]
+    )
     s = Sampler(nvml=nvml)
     assert s.gpu_available and nvml.inits == 1
     ref = ref_for(burner, tmp_path)
@@ -228,16 +263,20 @@ def test_gpu_memory_per_rank_from_an_nvml_object(burner, tmp_path):
     assert res.ranks[(7, 0)]["peak_gpu_mem"] == 7000
     assert res.stages[(1, "train")] == {"peak_gpu_mem": 7000}
     assert res.gpus == [
-        {"index": 0, "name": "NVIDIA H200", "uuid": "GPU-a", "mem_used": 9000, "mem_total": 150_000,
-         "util_gpu": 40},
-        {"index": 1, "name": "NVIDIA H200", "uuid": "GPU-b", "mem_used": 7000, "mem_total": 150_000,
-         "util_gpu": None},
+        {"index": 0, "name": "NVIDIA H200", "uuid": "GPU-a", "mem_used": 9000, "mem_total": 150_000, "util_gpu": 40},
+        {"index": 1, "name": "NVIDIA H200", "uuid": "GPU-b", "mem_used": 7000, "mem_total": 150_000, "util_gpu": None},
     ]
     device_rows = sorted((m["name"], m["value"]) for m in res.metrics if m["run_id"] is None)
-    assert device_rows == [("gpu0.mem_total", 150_000), ("gpu0.mem_used", 9000), ("gpu0.util", 40),
-                           ("gpu1.mem_total", 150_000), ("gpu1.mem_used", 7000)]
-    assert all(m["time"] == 5000.0 and m["stage"] is None and m["attempt"] is None
-               for m in res.metrics if m["run_id"] is None)
+    assert device_rows == [
+        ("gpu0.mem_total", 150_000),
+        ("gpu0.mem_used", 9000),
+        ("gpu0.util", 40),
+        ("gpu1.mem_total", 150_000),
+        ("gpu1.mem_used", 7000),
+    ]
+    assert all(
+        m["time"] == 5000.0 and m["stage"] is None and m["attempt"] is None for m in res.metrics if m["run_id"] is None
+    )
 
     nvml.devices[0]["procs"] = {burner.pid: 10}
     nvml.devices[1]["procs"] = {}
@@ -257,13 +296,30 @@ def write_fake(path: Path, doc: dict) -> None:
 def test_json_fake_nvml_through_the_environment(burner, tmp_path, monkeypatch, caplog):
     k1, k2 = burner.kids
     fake = tmp_path / "gpus.json"
-    write_fake(fake, {"devices": [
-        {"name": "NVIDIA H200", "uuid": "GPU-0", "mem_total": 150_000_000_000, "mem_used": 1000, "util": 7,
-         "processes": [{"pid": burner.pid, "mem": 5000}, {"pid": k1, "mem": 300}],
-         "graphics_processes": [{"pid": k1, "mem": 300}]},  # C+G: counted once
-        {"name": "NVIDIA H200", "uuid": "GPU-1", "mem_total": 150_000_000_000, "mem_used": 2000, "util": 0,
-         "processes": [{"pid": k2, "mem": 700}]},
-    ]})
+    write_fake(
+        fake,
+        {
+            "devices": [
+                {
+                    "name": "NVIDIA H200",
+                    "uuid": "GPU-0",
+                    "mem_total": 150_000_000_000,
+                    "mem_used": 1000,
+                    "util": 7,
+                    "processes": [{"pid": burner.pid, "mem": 5000}, {"pid": k1, "mem": 300}],
+                    "graphics_processes": [{"pid": k1, "mem": 300}],
+                },  # C+G: counted once
+                {
+                    "name": "NVIDIA H200",
+                    "uuid": "GPU-1",
+                    "mem_total": 150_000_000_000,
+                    "mem_used": 2000,
+                    "util": 0,
+                    "processes": [{"pid": k2, "mem": 700}],
+                },
+            ]
+        },
+    )
     monkeypatch.setenv(FAKE_ENV, str(fake))
     assert isinstance(load_nvml(), JsonFakeNvml)
     log = logging.getLogger("test.sampler.jsonfake")
@@ -276,11 +332,22 @@ def test_json_fake_nvml_through_the_environment(burner, tmp_path, monkeypatch, c
     assert [(g["uuid"], g["mem_used"], g["util_gpu"]) for g in res.gpus] == [("GPU-0", 1000, 7), ("GPU-1", 2000, 0)]
 
     # The daemon keeps running; the test moves memory and loses a GPU.
-    write_fake(fake, {"devices": [
-        {"name": "NVIDIA H200", "uuid": "GPU-0", "mem_total": 150_000_000_000, "mem_used": 64_000, "util": 99,
-         "processes": [{"pid": burner.pid, "mem": 60_000}]},
-        {"name": "NVIDIA H200", "uuid": "GPU-1", "error": "GpuIsLost"},
-    ]})
+    write_fake(
+        fake,
+        {
+            "devices": [
+                {
+                    "name": "NVIDIA H200",
+                    "uuid": "GPU-0",
+                    "mem_total": 150_000_000_000,
+                    "mem_used": 64_000,
+                    "util": 99,
+                    "processes": [{"pid": burner.pid, "mem": 60_000}],
+                },
+                {"name": "NVIDIA H200", "uuid": "GPU-1", "error": "GpuIsLost"},
+            ]
+        },
+    )
     for _ in range(3):
         res = s.sample([ref])
         assert one(res, "gpu_mem_bytes") == 60_000
@@ -303,7 +370,8 @@ def test_json_fake_without_driver(tmp_path, monkeypatch, caplog):
     assert probe.devices() == [] and probe.process_gpu_memory() == {} and probe.device_count() == 0
     probe.shutdown()
     assert [r.getMessage() for r in caplog.records] == [
-        "no NVML (NVMLError_LibraryNotFound: NVML Shared Library Not Found): GPU metrics off, CPU figures only"]
+        "no NVML (NVMLError_LibraryNotFound: NVML Shared Library Not Found): GPU metrics off, CPU figures only"
+    ]
 
 
 def test_json_fake_bad_file_is_named(tmp_path, monkeypatch):
@@ -360,10 +428,23 @@ def tokens_at(i: int) -> int:
 
 def progress_lines(scale: float, total: int, upto: int = 20) -> str:
     return "".join(
-        json.dumps({"time": 1000.0 + i, "samples": i, "samples_total": 100, "tokens": tokens_at(i) * scale,
-                    "tokens_total": total, "loss": 2.0 / (i + 1), "lr": 1e-4, "note": "text is skipped",
-                    "rank": 0, "diverged": False}) + "\n"
-        for i in range(upto + 1))
+        json.dumps(
+            {
+                "time": 1000.0 + i,
+                "samples": i,
+                "samples_total": 100,
+                "tokens": tokens_at(i) * scale,
+                "tokens_total": total,
+                "loss": 2.0 / (i + 1),
+                "lr": 1e-4,
+                "note": "text is skipped",
+                "rank": 0,
+                "diverged": False,
+            }
+        )
+        + "\n"
+        for i in range(upto + 1)
+    )
 
 
 def test_progress_rates_eta_and_pass_through(tmp_path):
@@ -379,8 +460,14 @@ def test_progress_rates_eta_and_pass_through(tmp_path):
     assert res.ranks[(7, 0)] == {"tok_s": 125.0}  # mean: 2500 tokens over 20 s
     assert res.ranks[(7, 1)] == {"tok_s": 62.5}
     assert res.stages[(1, "train")] == {
-        "tok_s": 300.0, "eta_s": 37.5,  # (7500 + 3750) tokens left at 300 tok/s
-        "progress": 0.25, "samples": 40, "samples_total": 200, "tokens": 3750, "tokens_total": 15_000}
+        "tok_s": 300.0,
+        "eta_s": 37.5,  # (7500 + 3750) tokens left at 300 tok/s
+        "progress": 0.25,
+        "samples": 40,
+        "samples_total": 200,
+        "tokens": 3750,
+        "tokens_total": 15_000,
+    }
     stage_rows = {m["name"]: m for m in res.metrics if m["rank"] is None}
     assert {n: m["value"] for n, m in stage_rows.items()} == {"tok_s": 300.0, "eta_s": 37.5, "progress": 0.25}
     assert all(m["time"] == 1020.5 and m["attempt"] == 2 and m["run_id"] == 1 for m in stage_rows.values())
@@ -407,8 +494,7 @@ def test_heartbeat_lines_count_for_nothing(tmp_path):
     plain, beating = tmp_path / "rank-0.progress.jsonl", tmp_path / "rank-1.progress.jsonl"
     plain.write_text(progress_lines(1, 10_000))
     beats = [json.dumps({"time": 1000.25 + i, "heartbeat": "checkpoint epoch-1"}) for i in range(21)]
-    beating.write_text("".join(f"{a}{b}\n" for a, b in zip(progress_lines(1, 10_000).splitlines(keepends=True),
-                                                            beats)))
+    beating.write_text("".join(f"{a}{b}\n" for a, b in zip(progress_lines(1, 10_000).splitlines(keepends=True), beats)))
     results = []
     for path in (plain, beating):
         s = Sampler(nvml=NoDriverNvml(), rate_window_s=10.0)
@@ -436,8 +522,13 @@ def test_progress_half_written_and_corrupt_lines(tmp_path, caplog):
     assert res.bad_lines == {}
 
     with path.open("a") as f:  # the writer finishes its line, then something scribbles
-        f.write('ens": 150, "samples": 3}\n' + "garbage\n" + "[1, 2]\n"
-                + json.dumps({"time": 1004.0, "tokens": 200, "loss": float("nan")}) + "\n")
+        f.write(
+            'ens": 150, "samples": 3}\n'
+            + "garbage\n"
+            + "[1, 2]\n"
+            + json.dumps({"time": 1004.0, "tokens": 200, "loss": float("nan")})
+            + "\n"
+        )
     res = s.sample([ref], now=1004.5)
     assert [(m["time"], m["value"]) for m in rows(res, "tokens")] == [(1003.0, 150), (1004.0, 200)]
     assert rows(res, "loss") == []  # NaN has no place in a NOT NULL REAL column
@@ -448,8 +539,12 @@ def test_progress_half_written_and_corrupt_lines(tmp_path, caplog):
 
 def test_progress_samples_only_eta_and_metrics_since(tmp_path):
     path = tmp_path / "rank-0.progress.jsonl"
-    path.write_text("".join(json.dumps({"time": 2000.0 + i, "samples": 4 * i, "samples_total": 400,
-                                        "acc_0": 0.5}) + "\n" for i in range(6)))
+    path.write_text(
+        "".join(
+            json.dumps({"time": 2000.0 + i, "samples": 4 * i, "samples_total": 400, "acc_0": 0.5}) + "\n"
+            for i in range(6)
+        )
+    )
     s = Sampler(nvml=NoDriverNvml())
     # A restarted daemon: rows up to 2003 are already in the store.
     res = s.sample([ref_for(None, tmp_path, progress=path, metrics_since=2003.0)], now=2005.0)
@@ -464,8 +559,12 @@ def test_progress_file_replaced(tmp_path):
     s = Sampler(nvml=NoDriverNvml())
     ref = ref_for(None, tmp_path, progress=path)
     s.sample([ref], now=1020.0)
-    path.write_text(json.dumps({"time": 3000.0, "tokens": 10, "tokens_total": 100}) + "\n"
-                    + json.dumps({"time": 3002.0, "tokens": 30, "tokens_total": 100}) + "\n")
+    path.write_text(
+        json.dumps({"time": 3000.0, "tokens": 10, "tokens_total": 100})
+        + "\n"
+        + json.dumps({"time": 3002.0, "tokens": 30, "tokens_total": 100})
+        + "\n"
+    )
     res = s.sample([ref], now=3002.0)
     assert one(res, "tok_s") == 10.0 and res.ranks[(7, 0)] == {"tok_s": 10.0}
     assert res.stages[(1, "train")]["eta_s"] == 7.0 and res.stages[(1, "train")]["progress"] == 0.3
@@ -493,22 +592,46 @@ def test_sample_is_cheap(tmp_path):
         for _ in range(8):
             roots.append(subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60 & wait"], start_new_session=True))
         deadline = time.monotonic() + DEADLINE_S
-        while (any(len(psutil.Process(r.pid).children()) < 2 for r in roots)
-               and time.monotonic() < deadline):
+        while any(len(psutil.Process(r.pid).children()) < 2 for r in roots) and time.monotonic() < deadline:
             time.sleep(0.05)
-        nvml = DictNvml([{"name": "NVIDIA H200", "uuid": f"GPU-{i}", "used": 1, "total": 2, "util": 3,
-                          "procs": {r.pid: 1000}} for i, r in enumerate(roots)])
-        refs = [RankRef(run_id=1, stage="train", attempt=1, attempt_id=1, rank=i, root_pid=r.pid,
-                        root_create_time=psutil.Process(r.pid).create_time(),
-                        progress_path=tmp_path / f"rank-{i}.progress.jsonl") for i, r in enumerate(roots)]
+        nvml = DictNvml(
+            [
+                {"name": "NVIDIA H200", "uuid": f"GPU-{i}", "used": 1, "total": 2, "util": 3, "procs": {r.pid: 1000}}
+                for i, r in enumerate(roots)
+            ]
+        )
+        refs = [
+            RankRef(
+                run_id=1,
+                stage="train",
+                attempt=1,
+                attempt_id=1,
+                rank=i,
+                root_pid=r.pid,
+                root_create_time=psutil.Process(r.pid).create_time(),
+                progress_path=tmp_path / f"rank-{i}.progress.jsonl",
+            )
+            for i, r in enumerate(roots)
+        ]
         s = Sampler(nvml=nvml)
         s.sample(refs)
         costs = []
         for n in range(30):
             for ref in refs:
                 with ref.progress_path.open("a") as f:
-                    f.write(json.dumps({"time": time.time(), "tokens": n * 100, "tokens_total": 10**6,
-                                        "samples": n, "samples_total": 10**4, "loss": 1.0}) + "\n")
+                    f.write(
+                        json.dumps(
+                            {
+                                "time": time.time(),
+                                "tokens": n * 100,
+                                "tokens_total": 10**6,
+                                "samples": n,
+                                "samples_total": 10**4,
+                                "loss": 1.0,
+                            }
+                        )
+                        + "\n"
+                    )
             t0 = time.perf_counter()
             res = s.sample(refs)
             costs.append(time.perf_counter() - t0)
@@ -516,8 +639,10 @@ def test_sample_is_cheap(tmp_path):
         assert one(res, "gpu_mem_bytes", 3) == 1000
         costs.sort()
         median = costs[len(costs) // 2]
-        print(f"\nsample() over 8 ranks x 3 processes: median {median * 1e3:.2f} ms, "
-              f"max {costs[-1] * 1e3:.2f} ms, {len(psutil.pids())} processes on the host")
+        print(
+            f"\nsample() over 8 ranks x 3 processes: median {median * 1e3:.2f} ms, "
+            f"max {costs[-1] * 1e3:.2f} ms, {len(psutil.pids())} processes on the host"
+        )
         assert median < 0.050
     finally:
         for r in roots:

@@ -21,16 +21,24 @@ def _core(gpus: int, held: dict[int, list[int]] | None = None) -> Core:
     return core
 
 
-CFG = {"resources": {"devices": "auto"}, "extract": {"backend": "vllm", "tensor_parallel_size": 4},
-       "evaluate": {"tensor_parallel_size": 2}}
+CFG = {
+    "resources": {"devices": "auto"},
+    "extract": {"backend": "vllm", "tensor_parallel_size": 4},
+    "evaluate": {"tensor_parallel_size": 2},
+}
 
 
-@pytest.mark.parametrize("stage, world, expected", [
-    ("preflight", 1, []), ("prepare", 1, []), ("vocab", 1, []),     # CPU work holds no GPU
-    ("extract", 1, [0, 1, 2, 3]),                                   # one vLLM driver at TP 4
-    ("train", 2, [0, 1]),                                           # one GPU per rank
-    ("evaluate", 1, [0, 1]),                                        # vLLM at evaluate's TP size
-])
+@pytest.mark.parametrize(
+    "stage, world, expected",
+    [
+        ("preflight", 1, []),
+        ("prepare", 1, []),
+        ("vocab", 1, []),  # CPU work holds no GPU
+        ("extract", 1, [0, 1, 2, 3]),  # one vLLM driver at TP 4
+        ("train", 2, [0, 1]),  # one GPU per rank
+        ("evaluate", 1, [0, 1]),  # vLLM at evaluate's TP size
+    ],
+)
 def test_each_stage_claims_what_it_runs_on(stage, world, expected):
     assert _core(8)._devices_for(CFG, stage, world) == expected
 
@@ -39,7 +47,7 @@ def test_cpu_stages_start_while_another_run_holds_every_gpu():
     core = _core(2, held={7: [0, 1]})
     assert core._devices_for(CFG, "preflight", 1) == []
     assert core._devices_for(CFG, "prepare", 1) == []
-    assert core._devices_for(CFG, "train", 1) is None          # waits for a GPU
+    assert core._devices_for(CFG, "train", 1) is None  # waits for a GPU
     assert core._devices_for({**CFG, "resources": {"devices": [1]}}, "vocab", 1) == []
 
 

@@ -35,8 +35,13 @@ def _core_with_an_ended_group(tmp_path, max_restarts: int = 0):
     sampler = SimpleNamespace(gpu_available=False, sample=lambda refs, now: None, forget=lambda a: None)
     core = Core(db, tmp_path, sampler=sampler)
     core.sample = lambda now, groups=None, final=False: None
-    run_id = store.create_run(db, name="r", model="m", stages=[{"name": "selftest", "max_restarts": max_restarts}],
-                              config={"stages": {"selftest": {"backoff": 7}}})
+    run_id = store.create_run(
+        db,
+        name="r",
+        model="m",
+        stages=[{"name": "selftest", "max_restarts": max_restarts}],
+        config={"stages": {"selftest": {"backoff": 7}}},
+    )
     store.move_run(db, run_id, "running", "started")
     store.move_stage(db, run_id, "selftest", "running", "started")
     attempt_dir = tmp_path / "attempt-1"
@@ -55,7 +60,7 @@ async def test_a_settlement_that_hits_a_full_disk_is_kept_whole_and_retried(tmp_
     real = store.move_attempt
     full = [True]
 
-    def move_attempt(*args, **kwargs):     # fails after the error row was written in the transaction
+    def move_attempt(*args, **kwargs):  # fails after the error row was written in the transaction
         if full[0]:
             raise sqlite3.OperationalError("database or disk is full")
         return real(*args, **kwargs)
@@ -68,7 +73,7 @@ async def test_a_settlement_that_hits_a_full_disk_is_kept_whole_and_retried(tmp_
     assert db.execute("SELECT count(*) FROM errors").fetchone()[0] == 0
     assert db["attempts"].get(group.attempt_id)["state"] == "running"
     assert core.disk.full and core.op_status()["full"]["what"].startswith("ENOSPC while recording the end")
-    core.schedule()       # nothing starts while it lasts
+    core.schedule()  # nothing starts while it lasts
     assert db.execute("SELECT count(*) FROM attempts").fetchone()[0] == 1
 
     full[0] = False
@@ -88,7 +93,7 @@ async def test_a_settlement_that_hits_a_full_disk_is_kept_whole_and_retried(tmp_
 async def test_a_restart_is_recorded_with_its_due_time(tmp_path):
     core, db, run_id, group = _core_with_an_ended_group(tmp_path, max_restarts=1)
     ended = group.ranks[0].exit.time
-    time.sleep(0.2)       # the record is written later than the end it records
+    time.sleep(0.2)  # the record is written later than the end it records
     core.supervise()
     await core.store.drain()
     srow = store.stage_row(db, run_id, "selftest")
@@ -96,7 +101,7 @@ async def test_a_restart_is_recorded_with_its_due_time(tmp_path):
     # Due from the group's real end (backoff 7 s), not from when the write got through.
     assert srow["restart_at"] == ended + 7
     assert db["attempts"].get(group.attempt_id)["ended_at"] == ended
-    core.schedule()       # not due yet: nothing starts
+    core.schedule()  # not due yet: nothing starts
     await core.store.drain()
     assert db.execute("SELECT count(*) FROM attempts").fetchone()[0] == 1
 
@@ -112,8 +117,15 @@ async def test_an_attempt_whose_ranks_cannot_start_fails_with_that_cause(tmp_pat
     run_id, run_dir = paths.claim_run_dir(1, tmp_path)
     (run_dir / "config.json").write_text("{}")
     (run_dir / "selftest").write_text("a file where the stage's folder goes")
-    store.create_run(db, name="r", model=None, stages=[{"name": "selftest", "world_size": 1}], config={},
-                     run_id=run_id, dir=str(run_dir))
+    store.create_run(
+        db,
+        name="r",
+        model=None,
+        stages=[{"name": "selftest", "world_size": 1}],
+        config={},
+        run_id=run_id,
+        dir=str(run_dir),
+    )
     core.schedule()
     for _ in range(50):
         await core.store.drain()
@@ -131,7 +143,7 @@ async def test_a_bare_exit_code_that_started_the_teardown_stays_the_cause(tmp_pa
     settlement records the failure that started it, not a success."""
     core, db, run_id, group = _core_with_an_ended_group(tmp_path)
     exited = group.ranks[0].exit.time
-    group.teardown_since = exited + 0.5           # the teardown came after, and killed rank 1
+    group.teardown_since = exited + 0.5  # the teardown came after, and killed rank 1
     group.world_size = 2
     peer = Rank(1, tmp_path / "attempt-1" / "rank-1.log", 0, None)
     peer.exit = RankExit(1, 4243, None, 15, exited + 0.6)

@@ -48,8 +48,11 @@ def make_target(path: Path, layers: int = 8, vocab: int = 1000, wrapped: bool = 
     """A fake model directory: only config.json, which is all the config checks read."""
     path.mkdir(parents=True, exist_ok=True)
     text = {"num_hidden_layers": layers, "vocab_size": vocab, "hidden_size": 64}
-    cfg = {"architectures": ["KimiK25ForConditionalGeneration"], "text_config": text} if wrapped else \
-        {"architectures": ["DeepseekV3ForCausalLM"], **text}
+    cfg = (
+        {"architectures": ["KimiK25ForConditionalGeneration"], "text_config": text}
+        if wrapped
+        else {"architectures": ["DeepseekV3ForCausalLM"], **text}
+    )
     (path / "config.json").write_text(json.dumps(cfg))
     return path
 
@@ -142,18 +145,30 @@ def test_full_config_loads_every_key_and_round_trips(run_dir):
     assert cfg == RunConfig(
         name="full.run-1",
         output_dir=str(run_dir / "out" / "full"),
-        pipeline=("preflight", "prepare", "extract", "train"),   # preflight: put first by validation
+        pipeline=("preflight", "prepare", "extract", "train"),  # preflight: put first by validation
         target=TargetConfig(path=str(run_dir / "model"), dtype="float16", trust_remote_code=True),
-        data=DataConfig(path=str(run_dir / "chat.jsonl"), format="sharegpt", max_length=512, limit=100,
-                        validation_fraction=0.1),
+        data=DataConfig(
+            path=str(run_dir / "chat.jsonl"), format="sharegpt", max_length=512, limit=100, validation_fraction=0.1
+        ),
         extract=ExtractConfig(backend="vllm", layer_ids=(1, 3, 8), tensor_parallel_size=2, batch_size=4),
         resources=ResourcesConfig(ranks=4, devices=(0, 1, 2, 3)),
         draft=DraftConfig(vocab_size=500, num_layers=2, ttt_steps=5),
-        train=TrainConfig(epochs=1, lr=3e-4, batch_tokens=4096, warmup_steps=10, weight_decay=0.01,
-                          grad_clip=0.5, noise_std=0.05, seed=7, strategy="fsdp"),
-        evaluate=EvaluateConfig(tensor_parallel_size=2),    # extract's, when [evaluate] names none
-        stages={"extract": StageConfig(max_restarts=2, backoff=0.5, ranks=1),
-                "train": StageConfig(options={"scheduler": "cosine", "save_every": 50})},
+        train=TrainConfig(
+            epochs=1,
+            lr=3e-4,
+            batch_tokens=4096,
+            warmup_steps=10,
+            weight_decay=0.01,
+            grad_clip=0.5,
+            noise_std=0.05,
+            seed=7,
+            strategy="fsdp",
+        ),
+        evaluate=EvaluateConfig(tensor_parallel_size=2),  # extract's, when [evaluate] names none
+        stages={
+            "extract": StageConfig(max_restarts=2, backoff=0.5, ranks=1),
+            "train": StageConfig(options={"scheduler": "cosine", "save_every": 50}),
+        },
     )
     d = cfg.to_dict()
     assert json.loads(json.dumps(d)) == d
@@ -176,15 +191,31 @@ def test_minimal_config_gets_the_defaults(big_run_dir):
         output_dir=None,
         pipeline=("preflight", *DEFAULT_PIPELINE),
         target=TargetConfig(path=str(run_dir / "model"), dtype="bfloat16", trust_remote_code=False),
-        data=DataConfig(path=str(run_dir / "chat.jsonl"), format="auto", max_length=2048, limit=0,
-                        validation_fraction=0.05),
+        data=DataConfig(
+            path=str(run_dir / "chat.jsonl"), format="auto", max_length=2048, limit=0, validation_fraction=0.05
+        ),
         extract=ExtractConfig(backend="hf", layer_ids=(2, 4, 5, 8), tensor_parallel_size=1, batch_size=8),
         resources=ResourcesConfig(ranks=1, devices="auto"),
         draft=DraftConfig(vocab_size=32000, num_layers=1, ttt_steps=3),
-        train=TrainConfig(epochs=3, lr=1e-4, batch_tokens=8192, warmup_steps=0, weight_decay=0.0,
-                          grad_clip=1.0, noise_std=0.0, seed=0, strategy="ddp"),
-        evaluate=EvaluateConfig(num_speculative_tokens=3, max_tokens=128, max_prompts=128, prompts=None,
-                                batch_size=16, tensor_parallel_size=1),
+        train=TrainConfig(
+            epochs=3,
+            lr=1e-4,
+            batch_tokens=8192,
+            warmup_steps=0,
+            weight_decay=0.0,
+            grad_clip=1.0,
+            noise_std=0.0,
+            seed=0,
+            strategy="ddp",
+        ),
+        evaluate=EvaluateConfig(
+            num_speculative_tokens=3,
+            max_tokens=128,
+            max_prompts=128,
+            prompts=None,
+            batch_size=16,
+            tensor_parallel_size=1,
+        ),
         stages={},
     )
 
@@ -199,7 +230,7 @@ def test_default_draft_vocab_larger_than_the_target_is_refused(run_dir):
 def test_default_layer_ids():
     assert default_layer_ids(61) == (2, 30, 58, 61)
     assert default_layer_ids(8) == (2, 4, 5, 8)
-    assert default_layer_ids(4) == (1, 2, 4)      # shallow test targets still get ascending ids
+    assert default_layer_ids(4) == (1, 2, 4)  # shallow test targets still get ascending ids
     assert default_layer_ids(1) == (0, 1)
 
 
@@ -243,13 +274,11 @@ options = { fail_at_step = 5, fail_attempts = [1, 2] }
 @pytest.mark.parametrize("key", ["stall_timeout", "exit_timeout"])
 def test_hang_bounds_are_stage_settings_and_must_not_be_negative(tmp_path, monkeypatch, key):
     monkeypatch.chdir(tmp_path)
-    text = 'name = "st"\npipeline = ["selftest"]\n[stages.selftest]\n' + key + ' = {}\n'
+    text = 'name = "st"\npipeline = ["selftest"]\n[stages.selftest]\n' + key + " = {}\n"
     cfg = loads(text.format(90))
     assert getattr(cfg.stages["selftest"], key) == 90.0 and RunConfig.from_dict(cfg.to_dict()) == cfg
-    assert errors(text.format(-1)) == [
-        f"run.toml: stages.selftest.{key}: -1 is out of range; use a number >= 0"]
-    assert errors(text.format('"10m"')) == [
-        f"run.toml: stages.selftest.{key}: expected a number, got string '10m'"]
+    assert errors(text.format(-1)) == [f"run.toml: stages.selftest.{key}: -1 is out of range; use a number >= 0"]
+    assert errors(text.format('"10m"')) == [f"run.toml: stages.selftest.{key}: expected a number, got string '10m'"]
     # Unset, it stays unset (the daemon then applies the stage's default), even beside other keys.
     cfg = loads('name = "st"\npipeline = ["selftest"]\n[stages.selftest]\nmax_restarts = 1\n')
     assert getattr(cfg.stages["selftest"], key) is None
@@ -262,22 +291,26 @@ def test_log_max_mb_bounds_rank_logs_and_must_be_a_number_not_below_0(tmp_path, 
     for value, got in (("2", 2.0), ("0", 0.0), ("0.5", 0.5)):
         cfg = loads(text.format(value))
         assert cfg.stages["selftest"].log_max_mb == got and RunConfig.from_dict(cfg.to_dict()) == cfg
-    assert errors(text.format(-1)) == [
-        "run.toml: stages.selftest.log_max_mb: -1 is out of range; use a number >= 0"]
+    assert errors(text.format(-1)) == ["run.toml: stages.selftest.log_max_mb: -1 is out of range; use a number >= 0"]
     assert errors(text.format('"512MB"')) == [
-        "run.toml: stages.selftest.log_max_mb: expected a number, got string '512MB'"]
+        "run.toml: stages.selftest.log_max_mb: expected a number, got string '512MB'"
+    ]
     # Unset, the default bound reaches the ranks' config.json.
     cfg = loads('name = "st"\npipeline = ["selftest"]\n[stages.selftest]\nmax_restarts = 1\n')
     assert cfg.to_dict()["stages"]["selftest"]["log_max_mb"] == 512
 
 
 def test_misspelled_keys_get_a_suggestion_at_every_level(big_run_dir):
-    text = 'pipline = ["selftest"]\ncolour = 1\n' + BASE.replace('path = "model"', 'path = "model"\ndtyp = "float16"') + """
+    text = (
+        'pipline = ["selftest"]\ncolour = 1\n'
+        + BASE.replace('path = "model"', 'path = "model"\ndtyp = "float16"')
+        + """
 [train]
 epoch = 3
 [stages.train]
 max_restart = 1
 """
+    )
     assert errors(text) == [
         "run.toml: pipline: unknown key; did you mean 'pipeline'?",
         "run.toml: colour: unknown key; valid keys: name, output_dir, pipeline, target, data, extract, "
@@ -313,7 +346,7 @@ def test_missing_required_keys(tmp_path, monkeypatch):
     assert errors('[target]\ndtype = "float16"\n') == [
         'run.toml: name: missing; add name = "my-run" at the top of the file',
         "run.toml: target.path: missing; set it to the target model's directory (the one with config.json)",
-        'run.toml: data: missing (stage prepare reads the dataset); add a [data] table with '
+        "run.toml: data: missing (stage prepare reads the dataset); add a [data] table with "
         'path = "<chat .jsonl file or directory>"',
     ]
     assert errors('name = "x"\npipeline = ["extract", "train"]\n') == [
@@ -321,14 +354,16 @@ def test_missing_required_keys(tmp_path, monkeypatch):
         'add a [target] table with path = "<model directory>"',
     ]
     assert errors('name = "x"\n[data]\npath = "missing.jsonl"\n') == [
-        'run.toml: target: missing (stages prepare, extract, vocab, train, evaluate read the target model); '
+        "run.toml: target: missing (stages prepare, extract, vocab, train, evaluate read the target model); "
         'add a [target] table with path = "<model directory>"',
         f"run.toml: data.path: {tmp_path}/missing.jsonl does not exist; point it at a .jsonl file or a directory",
     ]
 
 
 def test_wrong_types(big_run_dir):
-    text = BASE + """
+    text = (
+        BASE
+        + """
 [train]
 lr = "1e-4x"
 epochs = 1.5
@@ -338,6 +373,7 @@ layer_ids = "2,4"
 [resources]
 devices = 0
 """
+    )
     text = text.replace('path = "model"', 'path = "model"\ntrust_remote_code = "yes"')
     assert errors(text) == [
         "run.toml: target.trust_remote_code: expected true or false, got string 'yes'",
@@ -356,7 +392,9 @@ devices = 0
 
 
 def test_out_of_range_values(big_run_dir):
-    text = BASE.replace('path = "chat.jsonl"', 'path = "chat.jsonl"\nmax_length = 8\nvalidation_fraction = 1.0') + """
+    text = (
+        BASE.replace('path = "chat.jsonl"', 'path = "chat.jsonl"\nmax_length = 8\nvalidation_fraction = 1.0')
+        + """
 [draft]
 num_layers = 9
 [train]
@@ -367,6 +405,7 @@ ranks = 0
 [stages.train]
 max_restarts = 101
 """
+    )
     assert errors(text) == [
         "run.toml: data.max_length: 8 is out of range 16..1048576; use an integer from 16 to 1048576",
         "run.toml: data.validation_fraction: 1.0 is out of range; use a number >= 0 and < 1",
@@ -388,29 +427,38 @@ max_restarts = 101
 
 
 def test_bad_enums_list_the_choices(big_run_dir):
-    text = BASE.replace('path = "model"', 'path = "model"\ndtype = "fp16"') + """
+    text = (
+        BASE.replace('path = "model"', 'path = "model"\ndtype = "fp16"')
+        + """
 [extract]
 backend = "sglang"
 [train]
 strategy = "fsdp2"
 """
+    )
     assert errors(text) == [
         "run.toml: target.dtype: unknown value 'fp16'; use one of: float32, float16, bfloat16",
         "run.toml: extract.backend: unknown value 'sglang'; use one of: hf, vllm",
         "run.toml: train.strategy: unknown value 'fsdp2'; did you mean 'fsdp'? (one of: ddp, fsdp)",
     ]
     assert errors(BASE + '[resources]\ndevices = "gpu"\n') == [
-        "run.toml: resources.devices: unknown value 'gpu'; use \"auto\", \"cpu\" or a list of GPU indices like [0, 1]",
+        'run.toml: resources.devices: unknown value \'gpu\'; use "auto", "cpu" or a list of GPU indices like [0, 1]',
     ]
 
 
-@pytest.mark.parametrize("ids, expected", [
-    ("[2, 4, 4, 8]", "4 is listed twice; list each id once, e.g. [2, 4, 8]"),
-    ("[2, 5, 4, 8]", "[2, 5, 4, 8] is not in ascending order; write [2, 4, 5, 8]"),
-    ("[2, 4, 9]", "9 is out of range 0..8 for a 8-layer target; use ids from 0 to 8 (8 is the final pre-norm output)"),
-    ("[8]", "1 id given; list at least 2 (EAGLE-3 fuses several layers), e.g. [2, N//2, N-3, N]"),
-    ("[2, 4.0]", "expected integers, got float 4.0"),
-])
+@pytest.mark.parametrize(
+    "ids, expected",
+    [
+        ("[2, 4, 4, 8]", "4 is listed twice; list each id once, e.g. [2, 4, 8]"),
+        ("[2, 5, 4, 8]", "[2, 5, 4, 8] is not in ascending order; write [2, 4, 5, 8]"),
+        (
+            "[2, 4, 9]",
+            "9 is out of range 0..8 for a 8-layer target; use ids from 0 to 8 (8 is the final pre-norm output)",
+        ),
+        ("[8]", "1 id given; list at least 2 (EAGLE-3 fuses several layers), e.g. [2, N//2, N-3, N]"),
+        ("[2, 4.0]", "expected integers, got float 4.0"),
+    ],
+)
 def test_bad_layer_ids(big_run_dir, ids, expected):
     assert errors(BASE + f"[extract]\nlayer_ids = {ids}\n") == [f"run.toml: extract.layer_ids: {expected}"]
 
@@ -425,7 +473,9 @@ def test_layer_ids_out_of_range_for_a_61_layer_target(big_run_dir):
 
 
 def test_pipeline_and_stage_mistakes(big_run_dir):
-    text = BASE.replace('name = "t"', 'name = "t"\npipeline = ["prepare", "extrct", "train", "train", 3]') + """
+    text = (
+        BASE.replace('name = "t"', 'name = "t"\npipeline = ["prepare", "extrct", "train", "train", 3]')
+        + """
 [stages.evaluate]
 max_restarts = 1
 [stages.tran]
@@ -435,6 +485,7 @@ ranks = 2
 [stages.train]
 options = 3
 """
+    )
     assert errors(text) == [
         "run.toml: pipeline: unknown stage 'extrct'; did you mean 'extract'?",
         "run.toml: pipeline: 'train' is listed twice; list each stage once",
@@ -531,23 +582,26 @@ def point_example(name: str, replacements: dict[str, str], dest: Path) -> Path:
 def test_kimi_example_is_valid_against_a_fake_target(tmp_path):
     make_target(tmp_path / "Kimi-K2.5", layers=61, vocab=163840, wrapped=True)
     (tmp_path / "chat.jsonl").write_text("")
-    path = point_example("kimi-k2.5-8gpu.toml", {"/models/Kimi-K2.5": str(tmp_path / "Kimi-K2.5"),
-                                                  "/data/kimi-chat.jsonl": str(tmp_path / "chat.jsonl")},
-                         tmp_path / "kimi.toml")
+    path = point_example(
+        "kimi-k2.5-8gpu.toml",
+        {"/models/Kimi-K2.5": str(tmp_path / "Kimi-K2.5"), "/data/kimi-chat.jsonl": str(tmp_path / "chat.jsonl")},
+        tmp_path / "kimi.toml",
+    )
     cfg = load(path)
     assert cfg.target == TargetConfig(path=str(tmp_path / "Kimi-K2.5"), dtype="bfloat16", trust_remote_code=True)
-    assert cfg.extract == ExtractConfig(backend="vllm", layer_ids=(2, 30, 58, 61), tensor_parallel_size=8,
-                                        batch_size=16)
+    assert cfg.extract == ExtractConfig(
+        backend="vllm", layer_ids=(2, 30, 58, 61), tensor_parallel_size=8, batch_size=16
+    )
     assert cfg.resources == ResourcesConfig(ranks=8, devices=(0, 1, 2, 3, 4, 5, 6, 7))
     assert cfg.draft.vocab_size == 32000
     assert [stage_world_size(cfg, s) for s in cfg.pipeline] == [1, 1, 1, 1, 8, 1]
 
 
 def test_eyas_validate_reports_every_mistake_and_exits_2(tmp_path):
-    (tmp_path / "bad.toml").write_text('name = "x"\npipeline = ["selftest"]\n[resources]\nrank = 2\n'
-                                       '[train]\nlr = "1e-4x"\n')
-    proc = subprocess.run([EYAS, "validate", "bad.toml"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    (tmp_path / "bad.toml").write_text(
+        'name = "x"\npipeline = ["selftest"]\n[resources]\nrank = 2\n[train]\nlr = "1e-4x"\n'
+    )
+    proc = subprocess.run([EYAS, "validate", "bad.toml"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr.splitlines() == [
@@ -559,10 +613,12 @@ def test_eyas_validate_reports_every_mistake_and_exits_2(tmp_path):
 def test_eyas_validate_accepts_the_demo_example(tmp_path):
     make_target(tmp_path / "tiny", layers=4, vocab=512)
     (tmp_path / "chat.jsonl").write_text("")
-    point_example("demo.toml", {"assets/tiny-deepseek": str(tmp_path / "tiny"),
-                                "assets/chat.jsonl": str(tmp_path / "chat.jsonl")}, tmp_path / "demo.toml")
-    proc = subprocess.run([EYAS, "validate", "demo.toml"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    point_example(
+        "demo.toml",
+        {"assets/tiny-deepseek": str(tmp_path / "tiny"), "assets/chat.jsonl": str(tmp_path / "chat.jsonl")},
+        tmp_path / "demo.toml",
+    )
+    proc = subprocess.run([EYAS, "validate", "demo.toml"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stderr) == (0, "")
     assert proc.stdout.splitlines() == [
         "demo.toml: valid",
@@ -593,8 +649,10 @@ def test_the_demo_example_points_at_assets_beside_it():
 
 
 def test_config_check_imports_no_ml_stack():
-    code = ("import sys, eyas.cli.configcheck, eyas.state.runconfig; "
-            "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'textual') if m in sys.modules))")
+    code = (
+        "import sys, eyas.cli.configcheck, eyas.state.runconfig; "
+        "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'textual') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -602,7 +660,9 @@ def test_config_check_imports_no_ml_stack():
 def test_default_draft_vocab_is_checked_only_when_a_draft_is_built(tmp_path):
     target = tmp_path / "tiny"
     target.mkdir()
-    (target / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8, "vocab_size": 512}')
+    (target / "config.json").write_text(
+        '{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8, "vocab_size": 512}'
+    )
     base = f'name = "x"\n[target]\npath = "{target}"\n'
     cfg = tmp_path / "extract.toml"
     cfg.write_text('pipeline = ["extract"]\n' + base)
@@ -610,12 +670,16 @@ def test_default_draft_vocab_is_checked_only_when_a_draft_is_built(tmp_path):
     cfg.write_text('pipeline = ["extract", "vocab"]\n' + base)
     with pytest.raises(config.ConfigError) as err:
         config.load(cfg)
-    assert err.value.errors == [f"{cfg}: draft.vocab_size: 32000 exceeds the target's vocabulary (512); use at most 512"]
+    assert err.value.errors == [
+        f"{cfg}: draft.vocab_size: 32000 exceeds the target's vocabulary (512); use at most 512"
+    ]
 
 
 def test_stage_options_are_checked_with_the_config(big_run_dir):
     """A stage's options fail `load` (so `eyas validate` and `eyas submit`), not the stage hours into a run."""
-    text = BASE + """
+    text = (
+        BASE
+        + """
 [stages.train]
 options = { scheduler = "cosin", save_evry = 10, log_every = 0, ttt_step_loss_decay = "1" }
 [stages.evaluate]
@@ -625,6 +689,7 @@ options = { vllm = 3, worker_extension = "nodots" }
 [stages.prepare]
 options = { x = 1 }
 """
+    )
     assert errors(text) == [
         "run.toml: stages.train.options.save_evry: unknown key; did you mean 'stages.train.options.save_every'?",
         "run.toml: stages.train.options.scheduler: unknown value 'cosin'; did you mean 'cosine'? "
@@ -640,20 +705,25 @@ options = { x = 1 }
         'name it as "package.module.Class"',
         "run.toml: stages.prepare.options.x: unknown key; prepare takes no options, so remove it",
     ]
-    assert errors(BASE + '[stages.extract]\noptions = { vllm = { max_num_batched_tokens = 2048 }, worker_extention = "a.B" }\n') == [
+    assert errors(
+        BASE + '[stages.extract]\noptions = { vllm = { max_num_batched_tokens = 2048 }, worker_extention = "a.B" }\n'
+    ) == [
         "run.toml: stages.extract.options.worker_extention: unknown key; did you mean 'stages.extract.options.worker_extension'?",
     ]
 
 
 def test_valid_stage_options_are_kept_as_written_and_read_with_their_defaults(big_run_dir):
-    cfg = loads(BASE + """
+    cfg = loads(
+        BASE
+        + """
 [stages.train]
 options = { scheduler = "cosine", save_every = 100, attention = "sdpa", ttt_step_loss_decay = 1 }
 [stages.evaluate]
 options = { vllm = { gpu_memory_utilization = 0.8 } }
 [stages.extract]
 options = { vllm = { max_num_batched_tokens = 2048 }, worker_extension = "my_ext.MyExtension" }
-""")
+"""
+    )
     train = stage_settings(cfg, "train")[2]
     assert train == {"scheduler": "cosine", "save_every": 100, "attention": "sdpa", "ttt_step_loss_decay": 1}
     opts = stage_options("train", train)
@@ -667,8 +737,7 @@ options = { vllm = { max_num_batched_tokens = 2048 }, worker_extension = "my_ext
 
 def test_eyas_validate_refuses_a_misspelt_stage_option(big_run_dir):
     (big_run_dir / "run.toml").write_text(BASE + '[stages.train]\noptions = { scheduler = "cosin" }\n')
-    proc = subprocess.run([EYAS, "validate", "run.toml"], cwd=big_run_dir, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([EYAS, "validate", "run.toml"], cwd=big_run_dir, capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stdout) == (2, "")
     assert proc.stderr.splitlines() == [
         "run.toml: stages.train.options.scheduler: unknown value 'cosin'; did you mean 'cosine'? "

@@ -25,7 +25,7 @@ def test_a_clock_step_does_not_lose_a_live_process_but_a_recycled_pid_is_another
         grand = subprocess.Popen(["sh", "-c", "sleep 30 & wait"])
         try:
             watch = ProcWatch()
-            for _ in range(100):        # until the shell has started its sleep
+            for _ in range(100):  # until the shell has started its sleep
                 if psutil.Process(grand.pid).children():
                     break
                 time.sleep(0.02)

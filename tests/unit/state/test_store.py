@@ -36,7 +36,7 @@ def test_a_migration_that_fails_halfway_leaves_nothing_behind(tmp_path, monkeypa
     columns_before = {c.name for c in db["ranks"].columns}
 
     def half_done(db):
-        db["ranks"].add_column("half_done", str)      # DDL first, as a real migration would
+        db["ranks"].add_column("half_done", str)  # DDL first, as a real migration would
         raise RuntimeError("migration 3 failed after its first column")
 
     monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS, half_done])
@@ -46,7 +46,9 @@ def test_a_migration_that_fails_halfway_leaves_nothing_behind(tmp_path, monkeypa
     assert {c.name for c in db["ranks"].columns} == columns_before
     assert schema.version(db) == schema.LATEST - 1
     # Fixed, the same migration applies on the next start instead of "duplicate column".
-    monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS[:-1], lambda db: db["ranks"].add_column("half_done", str)])
+    monkeypatch.setattr(
+        schema, "MIGRATIONS", [*schema.MIGRATIONS[:-1], lambda db: db["ranks"].add_column("half_done", str)]
+    )
     assert schema.migrate(db) == schema.LATEST
     assert "half_done" in {c.name for c in db["ranks"].columns}
 
@@ -54,7 +56,7 @@ def test_a_migration_that_fails_halfway_leaves_nothing_behind(tmp_path, monkeypa
 def test_the_runs_reason_follows_its_current_stage(tmp_path):
     db = store.open_writer(tmp_path / "e.db")
     run_id = store.create_run(db, name="r", model="m", stages=[{"name": "prepare"}, {"name": "extract"}])
-    store.move_run(db, run_id, "running", "starting prepare")       # as the daemon starts a run
+    store.move_run(db, run_id, "running", "starting prepare")  # as the daemon starts a run
     for stage in ("prepare", "extract"):
         store.move_stage(db, run_id, stage, "running", "started")
         store.new_attempt(db, run_id, stage, dir=str(tmp_path / stage), world_size=1)
@@ -68,8 +70,10 @@ def test_the_runs_reason_follows_its_current_stage(tmp_path):
 def test_retention_drops_old_samples_then_the_oldest_beyond_the_cap(tmp_path):
     db = store.open_writer(tmp_path / "e.db")
     now = 1_000_000.0
-    rows = [{"time": now - age, "run_id": 1, "stage": "s", "attempt": 1, "rank": 0, "name": "x", "value": age}
-            for age in range(0, 200)]
+    rows = [
+        {"time": now - age, "run_id": 1, "stage": "s", "attempt": 1, "rank": 0, "name": "x", "value": age}
+        for age in range(0, 200)
+    ]
     store.insert_metrics(db, rows)
     removed = store.prune_metrics(db, max_age_s=149.5, max_rows=100, now=now)
     assert removed == 100  # 50 too old, then the 50 oldest of the 150 left
@@ -80,15 +84,21 @@ def test_retention_drops_old_samples_then_the_oldest_beyond_the_cap(tmp_path):
 def test_state_machine_names_the_legal_moves():
     with pytest.raises(machine.IllegalTransition) as err:
         machine.check("stage", "succeeded", "running", "stage train of run 3")
-    assert str(err.value) == "stage train of run 3 is succeeded; it cannot become running (from succeeded: none: it is final)"
+    assert (
+        str(err.value)
+        == "stage train of run 3 is succeeded; it cannot become running (from succeeded: none: it is final)"
+    )
     assert machine.allowed("stage", "failed", "pending")
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("low 0\nhigh 0\nmax 0\noom 2\noom_kill 3\n", 3),            # cgroup v2 memory.events
-    ("oom_kill_disable 0\nunder_oom 0\noom_kill 7\n", 7),        # cgroup v1 memory.oom_control
-    ("oom_kill_disable 0\nunder_oom 0\n", None),                 # an old kernel: no counter
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("low 0\nhigh 0\nmax 0\noom 2\noom_kill 3\n", 3),  # cgroup v2 memory.events
+        ("oom_kill_disable 0\nunder_oom 0\noom_kill 7\n", 7),  # cgroup v1 memory.oom_control
+        ("oom_kill_disable 0\nunder_oom 0\n", None),  # an old kernel: no counter
+    ],
+)
 def test_oom_counter_is_read_from_either_cgroup_version(tmp_path, text, expected):
     path = tmp_path / "memory.events"
     path.write_text(text)
@@ -98,4 +108,3 @@ def test_oom_counter_is_read_from_either_cgroup_version(tmp_path, text, expected
 def test_oom_counter_on_this_machine_is_a_number_or_absent():
     found = oom.oom_kill_count()
     assert found is None or found >= 0
-

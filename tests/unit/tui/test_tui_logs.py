@@ -62,12 +62,18 @@ def test_a_huge_line_is_cut_for_display(tmp_path):
 def test_stamps_python_logging_iso_and_vllm_and_inherited_by_unstamped_lines(tmp_path):
     assert parse_stamp("2026-12-02 13:05:01,123 INFO x: y", "2026", "12-02") == "2026-12-02 13:05:01.123000"
     assert parse_stamp("2026-12-02T13:05:01.5 y", "2026", "12-02") == "2026-12-02 13:05:01.500000"
-    assert parse_stamp("(EngineCore pid=7) INFO 01-03 00:00:02 [core.py:1] up", "2026", "12-31") == \
-        "2027-01-03 00:00:02.000000"
+    assert (
+        parse_stamp("(EngineCore pid=7) INFO 01-03 00:00:02 [core.py:1] up", "2026", "12-31")
+        == "2027-01-03 00:00:02.000000"
+    )
     assert parse_stamp("  File x, line 3", "2026", "12-02") is None
     p = tmp_path / "rank-0.log"
-    lines = ["preamble"] + ["2026-12-02 13:00:00,000 ERROR x: boom", "Traceback (most recent call last):"] + \
-        [f"  frame {i}" for i in range(700)] + ["2026-12-02 13:00:05,000 INFO x: after"]
+    lines = (
+        ["preamble"]
+        + ["2026-12-02 13:00:00,000 ERROR x: boom", "Traceback (most recent call last):"]
+        + [f"  frame {i}" for i in range(700)]
+        + ["2026-12-02 13:00:05,000 INFO x: after"]
+    )
     p.write_text("\n".join(lines) + "\n")
     f = _indexed(p)
     assert f.stamp(0) == ""  # before any stamp: sorts first
@@ -99,10 +105,10 @@ def test_merged_view_equals_a_full_merge_at_every_position_without_building_one(
     for row in (0, 1, 17, 999, 5000, 7777, 9990, 9999, 10_000):
         model._cache = None  # a jump: found by selection
         got = model.rows(row, 12)
-        assert [(r.rank, r.line) for r in got] == [(e[1], e[2]) for e in expected[row:row + 12]], row
+        assert [(r.rank, r.line) for r in got] == [(e[1], e[2]) for e in expected[row : row + 12]], row
     for row in range(0, 10_000, 613):  # neighbouring positions: found by stepping
         got = model.rows(row, 5)
-        assert [(r.rank, r.line) for r in got] == [(e[1], e[2]) for e in expected[row:row + 5]], row
+        assert [(r.rank, r.line) for r in got] == [(e[1], e[2]) for e in expected[row : row + 5]], row
     assert all(model.row_of(e[1], e[2]) == k for k, e in list(enumerate(expected))[::101])
     assert model.rows(42, 1)[0].text == files[expected[42][1]].line(expected[42][2])
 
@@ -128,8 +134,9 @@ def test_filter_scan_keeps_matching_lines_and_merges_them(tmp_path):
 
 def test_first_error_scan_stops_at_the_first_error_line(tmp_path):
     p = tmp_path / "rank-0.log"
-    p.write_text("ok\nstill ok\nINFO warming\nTraceback (most recent call last):\n  File x\nValueError: bad\n"
-                 "ERROR later\n")
+    p.write_text(
+        "ok\nstill ok\nINFO warming\nTraceback (most recent call last):\n  File x\nValueError: bad\nERROR later\n"
+    )
     f = _indexed(p)
     scan = Scan(f, ERROR_RE, first_only=True)
     while scan.step():

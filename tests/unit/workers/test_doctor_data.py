@@ -39,8 +39,9 @@ def test_a_200_mb_line_warns(tmp_path):
         data.unlink()
     verdict, detail, fix = found["huge.jsonl"]
     assert verdict == "warn"
-    assert detail == (f"{data}: 1 line over the 1048576-byte row limit (the longest 200.00 MB): prepare skips them "
-                      "as too_long")
+    assert detail == (
+        f"{data}: 1 line over the 1048576-byte row limit (the longest 200.00 MB): prepare skips them as too_long"
+    )
     assert fix.startswith("split or drop those rows, or raise data.max_length")
 
 
@@ -57,14 +58,21 @@ def test_empty_binary_and_latin1_files(tmp_path):
     assert run(empty)["empty.jsonl"][:2] == ("fail", f"{empty}: the file is empty")
 
     binary = tmp_path / "data.jsonl"
-    binary.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256)) * 64)      # a gzip stream, say
+    binary.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256)) * 64)  # a gzip stream, say
     verdict, detail, fix = run(binary)["data.jsonl"]
     assert (verdict, detail) == ("fail", f"{binary}: NUL bytes in its first MBs: a binary file, not JSON/JSONL text")
     assert fix.startswith("point data.path at the JSONL/JSON text")
 
     latin1 = tmp_path / "latin1.jsonl"
-    rows = [{"messages": [{"role": "user", "content": f"Où est le café n° {i} ?"},
-                          {"role": "assistant", "content": "À gauche."}]} for i in range(3)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"Où est le café n° {i} ?"},
+                {"role": "assistant", "content": "À gauche."},
+            ]
+        }
+        for i in range(3)
+    ]
     latin1.write_bytes("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("latin-1"))
     found = doctor_data.check(DataConfig(path=str(latin1), format="auto", max_length=256))
     encoding = [c for c in found if "is not UTF-8" in c.detail]
@@ -85,7 +93,7 @@ def test_rows_of_another_format_and_a_directory(tmp_path):
     found = run(folder, fmt="auto")
     assert found["a.jsonl"][0] == "warn" and "1 of its first 2 rows do not parse" in found["a.jsonl"][1]
     assert "missing_field 1" in found["a.jsonl"][1]
-    assert found["b.jsonl"][:2] == ("warn", f"{folder / 'b.jsonl'}: the file is empty")   # another file has rows
+    assert found["b.jsonl"][:2] == ("warn", f"{folder / 'b.jsonl'}: the file is empty")  # another file has rows
     # OpenAI rows read as ShareGPT: none parses, the file would give prepare nothing.
     only = tmp_path / "openai.jsonl"
     only.write_text(json.dumps(CHAT) + "\n")

@@ -33,10 +33,10 @@ def test_equals_speculators_on_random_frequencies(seed):
     rng = np.random.default_rng(seed)
     v = int(rng.integers(2, 400))
     cases = [
-        rng.integers(0, 4, v),                                  # many ties, some unseen
-        rng.integers(0, 1000, v) * (rng.random(v) < 0.1),       # sparse: fewer seen than most N
-        np.full(v, 7),                                          # all tied
-        np.zeros(v, dtype=np.int64),                            # nothing seen
+        rng.integers(0, 4, v),  # many ties, some unseen
+        rng.integers(0, 1000, v) * (rng.random(v) < 0.1),  # sparse: fewer seen than most N
+        np.full(v, 7),  # all tied
+        np.zeros(v, dtype=np.int64),  # nothing seen
     ]
     for freq in cases:
         for n in sorted({1, 2, v // 3 or 1, v // 2 or 1, v - 1 or 1, v}):
@@ -51,11 +51,12 @@ def test_equals_speculators_on_random_frequencies(seed):
 def test_ties_go_to_the_lower_id():
     freq = np.array([0, 5, 3, 5, 3, 3, 0, 9], dtype=np.int64)
     d2t, t2d = build_mapping(freq, 4, 8)
-    assert np.flatnonzero(t2d).tolist() == [1, 2, 3, 7]     # 9, then 5 (ids 1, 3), then 3 (id 2 of 2, 4, 5)
+    assert np.flatnonzero(t2d).tolist() == [1, 2, 3, 7]  # 9, then 5 (ids 1, 3), then 3 (id 2 of 2, 4, 5)
     assert d2t.tolist() == [1, 1, 1, 4]
 
 
 # --- the stage ------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def run(tmp_path):
@@ -64,8 +65,9 @@ def run(tmp_path):
     target.mkdir()
 
     def go(freq: np.ndarray | None, n: int, target_vocab: int = V, attempt: int = 1) -> dict:
-        (target / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": target_vocab,
-                                                        "num_hidden_layers": 2}))
+        (target / "config.json").write_text(
+            json.dumps({"model_type": "llama", "vocab_size": target_vocab, "num_hidden_layers": 2})
+        )
         out = tmp_path / "out"
         if freq is not None:
             (out / "prepare").mkdir(parents=True, exist_ok=True)
@@ -73,9 +75,20 @@ def run(tmp_path):
         attempt_dir = tmp_path / f"attempt-{attempt}"
         attempt_dir.mkdir(exist_ok=True)
         cfg = RunConfig(name="v", target=TargetConfig(path=str(target)), draft=DraftConfig(vocab_size=n)).to_dict()
-        ctx = RankContext(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=29500, run_id=1,
-                          stage="vocab", attempt=attempt, attempt_dir=attempt_dir, output_dir=out, config=cfg,
-                          progress=ProgressWriter(attempt_dir / "rank-0.progress.jsonl"))
+        ctx = RankContext(
+            rank=0,
+            world_size=1,
+            local_rank=0,
+            master_addr="127.0.0.1",
+            master_port=29500,
+            run_id=1,
+            stage="vocab",
+            attempt=attempt,
+            attempt_dir=attempt_dir,
+            output_dir=out,
+            config=cfg,
+            progress=ProgressWriter(attempt_dir / "rank-0.progress.jsonl"),
+        )
         vocab.main(ctx)
         return json.loads((attempt_dir / "summary.json").read_text())
 
@@ -105,8 +118,13 @@ def test_stage_writes_speculators_files(run):
     ref_d2t, ref_t2d = speculators_mapping(freq, 16)
     assert np.array_equal(d2t, ref_d2t) and np.array_equal(t2d, ref_t2d)
     assert summary == {
-        "draft_vocab_size": 16, "target_vocab_size": V, "seen_tokens": V, "padded": 0,
-        "coverage": float(freq[t2d].sum() / freq.sum()), "cached": False, "cache_matches_frequencies": None,
+        "draft_vocab_size": 16,
+        "target_vocab_size": V,
+        "seen_tokens": V,
+        "padded": 0,
+        "coverage": float(freq[t2d].sum() / freq.sum()),
+        "cached": False,
+        "cache_matches_frequencies": None,
         "outputs": [str(d2t_path), str(t2d_path)],
     }
 
@@ -124,8 +142,11 @@ def test_fewer_seen_tokens_than_the_draft_vocab_pad_like_speculators(run, caplog
 
 
 def test_refuses_a_draft_vocab_larger_than_the_target(run):
-    with pytest.raises(VocabError, match=r"^draft\.vocab_size: 65 exceeds the target's vocabulary \(64, in "
-                                         r".*/target/config\.json\); use at most 64$"):
+    with pytest.raises(
+        VocabError,
+        match=r"^draft\.vocab_size: 65 exceeds the target's vocabulary \(64, in "
+        r".*/target/config\.json\); use at most 64$",
+    ):
         run(_freq(), 65)
     assert not run.stage.exists() or not any(run.stage.iterdir())
 
@@ -143,14 +164,20 @@ def test_refuses_a_cached_mapping_that_does_not_fit(run):
     good_d2t, good_t2d = np.load(d2t_path), np.load(t2d_path)
 
     np.save(d2t_path, np.zeros(20, dtype=np.int64))
-    with pytest.raises(VocabError, match=rf"^{d2t_path}: the cached mapping has shape \(20,\), but the run's "
-                                         r"draft\.vocab_size is 16; it was built for another run, delete it"):
+    with pytest.raises(
+        VocabError,
+        match=rf"^{d2t_path}: the cached mapping has shape \(20,\), but the run's "
+        r"draft\.vocab_size is 16; it was built for another run, delete it",
+    ):
         run(_freq(), 16, attempt=2)
     np.save(d2t_path, good_d2t)
 
     np.save(t2d_path, np.zeros(100, dtype=bool))
-    with pytest.raises(VocabError, match=rf"^{t2d_path}: the cached mapping has shape \(100,\), but the target's "
-                                         r"vocab_size is 64"):
+    with pytest.raises(
+        VocabError,
+        match=rf"^{t2d_path}: the cached mapping has shape \(100,\), but the target's "
+        r"vocab_size is 64",
+    ):
         run(_freq(), 16, attempt=3)
 
     np.save(t2d_path, good_t2d.astype(np.int64))
@@ -163,7 +190,7 @@ def test_refuses_a_cached_mapping_that_does_not_fit(run):
     with pytest.raises(VocabError, match=r"the cached mask marks 17 tokens, but the run's draft\.vocab_size is 16"):
         run(_freq(), 16, attempt=5)
 
-    np.save(t2d_path, np.roll(good_t2d, 1))   # 16 tokens, but not the ones d2t names
+    np.save(t2d_path, np.roll(good_t2d, 1))  # 16 tokens, but not the ones d2t names
     with pytest.raises(VocabError, match="the cached d2t and t2d name different tokens"):
         run(_freq(), 16, attempt=6)
 
@@ -174,15 +201,16 @@ def test_reuses_a_cached_mapping_that_fits(run, caplog):
     again = run(_freq(0), 16, attempt=2)
     assert (again["cached"], again["cache_matches_frequencies"]) == (True, True)
     with caplog.at_level(logging.WARNING, logger="eyas.vocab"):
-        stale = run(_freq(1), 16, attempt=3)      # other frequencies: the files stay, with a warning
+        stale = run(_freq(1), 16, attempt=3)  # other frequencies: the files stay, with a warning
     assert (stale["cached"], stale["cache_matches_frequencies"]) == (True, False)
     assert "differs from the one these token frequencies give; delete both files to rebuild it" in caplog.text
     assert {p.name: p.read_bytes() for p in run.stage.iterdir()} == files
 
 
 def test_target_vocab_size_reads_text_config(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"],
-                                                      "text_config": {"vocab_size": 163840}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["KimiK25ForConditionalGeneration"], "text_config": {"vocab_size": 163840}})
+    )
     assert target_vocab_size(tmp_path) == 163840
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "x"}))
     with pytest.raises(ValueError, match=r"config\.json has no vocab_size \(nor text_config\.vocab_size\)"):
