@@ -11,6 +11,9 @@ resolved config back as JSON (`RunConfig.to_dict()` / `RunConfig.from_dict()`).
 
 No torch: the daemon and `eyas validate` import this module; what it reads of the target's
 config.json is state/target.py's, with `json`, not transformers, for the same reason.
+
+Over 500 lines: the tables' models and validate(), which checks them and across them, are one
+contract, read together.
 """
 
 from __future__ import annotations
@@ -37,12 +40,13 @@ DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
 BACKENDS: tuple[str, ...] = get_args(Backend)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 DEFAULT_BACKOFF = 2.0
-LOG_MAX_MB = 512   # stages.<name>.log_max_mb's default; the daemon hands each rank its bound
+LOG_MAX_MB = 512  # stages.<name>.log_max_mb's default; the daemon hands each rank its bound
 _NAME_CHARS = re.compile(r"[A-Za-z0-9._-]+")
 
 
 # --- the value checks pydantic's declarations cannot say: each raises ValueError("problem; fix"),
 # several problems of one value on several lines -------------------------------------------------
+
 
 def _name(name: str) -> str:
     if not name:
@@ -96,8 +100,6 @@ def _pipeline(value: Any) -> tuple[str, ...]:
     return stages
 
 
-
-
 def _layer_ids(value: Any, info: ValidationInfo) -> Any:
     """Checked against the target's depth when validation knows it (context n_layers)."""
     if value is None:
@@ -115,7 +117,7 @@ def _devices(value: Any) -> Any:
             return value
         raise ValueError(f"unknown value '{value}'; {fix}")
     if not isinstance(value, (list, tuple)):
-        raise ValueError(f"expected \"auto\", \"cpu\" or a list of GPU indices, got {describe(value)}")
+        raise ValueError(f'expected "auto", "cpu" or a list of GPU indices, got {describe(value)}')
     if not value:
         raise ValueError(f"empty; {fix}")
     problems, seen = [], set()
@@ -135,7 +137,7 @@ def _devices(value: Any) -> Any:
 
 def _json_safe(options: dict[str, Any]) -> dict[str, Any]:
     try:
-        json.dumps(options)     # the options reach the stage through the run's config JSON
+        json.dumps(options)  # the options reach the stage through the run's config JSON
     except TypeError:
         raise ValueError("holds a date or time, which cannot be passed to a stage; quote it as a string") from None
     return options
@@ -156,9 +158,11 @@ AbsPath = Annotated[str, BeforeValidator(_path)]
 
 # --- the models -------------------------------------------------------------------------------
 
+
 class TargetConfig(Table):
-    path: AbsPath = Field(json_schema_extra={"missing": "set it to the target model's directory "
-                                                        "(the one with config.json)"})
+    path: AbsPath = Field(
+        json_schema_extra={"missing": "set it to the target model's directory (the one with config.json)"}
+    )
     dtype: Dtype = "bfloat16"
     trust_remote_code: bool = False
 
@@ -167,7 +171,7 @@ class DataConfig(Table):
     path: AbsPath = Field(json_schema_extra={"missing": "set it to the dataset (a .jsonl file or a directory)"})
     format: DataFormat = "auto"
     max_length: int = Field(2048, ge=16, le=1_048_576)
-    limit: int = Field(0, ge=0)                 # 0: no limit
+    limit: int = Field(0, ge=0)  # 0: no limit
     validation_fraction: float = Field(0.05, ge=0, lt=1)
 
 
@@ -198,25 +202,25 @@ class TrainConfig(Table):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     noise_std: float = Field(0.0, ge=0)
-    seed: int = Field(0, ge=0, le=2**32 - 1)    # numpy's seed range
+    seed: int = Field(0, ge=0, le=2**32 - 1)  # numpy's seed range
     strategy: Strategy = "ddp"
 
 
 class EvaluateConfig(Table):
     """[evaluate]: the draft's acceptance in vLLM (workers/stages/evaluate.py)."""
 
-    num_speculative_tokens: int = Field(3, ge=1, le=16)    # k: draft tokens proposed per target forward
-    max_tokens: int = Field(128, ge=1, le=65536)            # greedy tokens generated per prompt
-    max_prompts: int = Field(128, ge=0)                     # the first N prompts; 0: all of them
-    prompts: AbsPath | None = None      # a JSONL prompt file; None: prepare's validation split
-    batch_size: int = Field(16, ge=1, le=4096)              # sequences vLLM runs at once (max_num_seqs)
+    num_speculative_tokens: int = Field(3, ge=1, le=16)  # k: draft tokens proposed per target forward
+    max_tokens: int = Field(128, ge=1, le=65536)  # greedy tokens generated per prompt
+    max_prompts: int = Field(128, ge=0)  # the first N prompts; 0: all of them
+    prompts: AbsPath | None = None  # a JSONL prompt file; None: prepare's validation split
+    batch_size: int = Field(16, ge=1, le=4096)  # sequences vLLM runs at once (max_num_seqs)
     # None only before validation: it then defaults to extract.tensor_parallel_size.
     tensor_parallel_size: int | None = Field(None, ge=1)
 
 
 class StageConfig(Table):
-    max_restarts: int | None = Field(None, ge=0, le=100)   # None: the stage spec's default
-    backoff: float = Field(DEFAULT_BACKOFF, ge=0)    # seconds before the first restart, doubled each time
+    max_restarts: int | None = Field(None, ge=0, le=100)  # None: the stage spec's default
+    backoff: float = Field(DEFAULT_BACKOFF, ge=0)  # seconds before the first restart, doubled each time
     # The hang bounds (daemon/watchdog.py), in seconds; 0 turns one off, None takes the stage
     # spec's default. stall_timeout: nothing written for this long; exit_timeout: a rank still
     # alive this long after its own work or its peers ended.
@@ -224,7 +228,7 @@ class StageConfig(Table):
     exit_timeout: float | None = Field(None, ge=0)
     # Each rank log's bound in MiB (state/logcut.py): past it the middle is cut; 0: unbounded.
     log_max_mb: float = Field(LOG_MAX_MB, ge=0)
-    ranks: int | None = Field(None, ge=1)           # None: resources.ranks
+    ranks: int | None = Field(None, ge=1)  # None: resources.ranks
     # As written: validate() checks them against the stage's options model (STAGES[name].options).
     options: Annotated[dict[str, Any], AfterValidator(_json_safe)] = Field(default_factory=dict)
 
@@ -233,7 +237,8 @@ class _Head(Table):
     """The run's top-level keys, checked before its tables."""
 
     name: Annotated[str, AfterValidator(_name)] = Field(
-        json_schema_extra={"missing": 'add name = "my-run" at the top of the file'})
+        json_schema_extra={"missing": 'add name = "my-run" at the top of the file'}
+    )
     # None: the daemon picks <state>/runs/<id>/out. Checked against the disk only when a file is.
     output_dir: Annotated[AbsPath, AfterValidator(_not_a_file)] | None = None
     pipeline: Annotated[tuple[str, ...], BeforeValidator(_pipeline)] = DEFAULT_PIPELINE
@@ -289,17 +294,8 @@ def stage_options(stage: str, options: dict[str, Any]) -> Any:
     return model
 
 
-
-
-
-
-
-
-
-
-
-
 # --- validate: the tables in file order, then the checks across them --------------------------
+
 
 def _section(report: Report, data: dict, key: str, model: type[Table], context: dict | None = None) -> Any:
     """The table `key` of the file as a `model`; None when absent, not a table, or unusable."""
@@ -322,8 +318,11 @@ def _check_target(report: Report, data: dict, pipeline: tuple[str, ...], context
     """(TargetConfig | None, the target's config.json dict | None)."""
     readers = [s for s in pipeline if STAGES[s].needs_target]
     if "target" not in data and readers:
-        report.error("target", f"missing ({_stages_phrase(readers)} the target model); "
-                               'add a [target] table with path = "<model directory>"')
+        report.error(
+            "target",
+            f"missing ({_stages_phrase(readers)} the target model); "
+            'add a [target] table with path = "<model directory>"',
+        )
     target = _section(report, data, "target", TargetConfig, context)
     if target is None:
         return None, None
@@ -338,7 +337,7 @@ def _check_target(report: Report, data: dict, pipeline: tuple[str, ...], context
         try:
             model_cfg = read_model_config(path)
             num_hidden_layers(path)
-        except (OSError, ValueError) as exc:    # JSONDecodeError is a ValueError
+        except (OSError, ValueError) as exc:  # JSONDecodeError is a ValueError
             report.error("target.path", f"{path}/config.json is unusable ({exc}); {fix}")
         else:
             return target, model_cfg
@@ -348,8 +347,11 @@ def _check_target(report: Report, data: dict, pipeline: tuple[str, ...], context
 def _check_data(report: Report, data: dict, pipeline: tuple[str, ...], context: dict) -> DataConfig | None:
     readers = [s for s in pipeline if STAGES[s].needs_data]
     if "data" not in data and readers:
-        report.error("data", f"missing ({_stages_phrase(readers)} the dataset); "
-                             'add a [data] table with path = "<chat .jsonl file or directory>"')
+        report.error(
+            "data",
+            f"missing ({_stages_phrase(readers)} the dataset); "
+            'add a [data] table with path = "<chat .jsonl file or directory>"',
+        )
     cfg = _section(report, data, "data", DataConfig, context)
     if cfg is not None and not os.path.exists(cfg.path):
         report.error("data.path", f"{cfg.path} does not exist; point it at a .jsonl file or a directory")
@@ -365,7 +367,7 @@ def _with_preflight(report: Report, data: dict, pipeline: tuple[str, ...]) -> tu
         report.error("preflight", f"expected true or false, got {describe(wanted)}")
         return pipeline
     if wanted is False and "preflight" in pipeline:
-        report.error("preflight", "false, but pipeline lists \"preflight\"; remove it from pipeline or drop this key")
+        report.error("preflight", 'false, but pipeline lists "preflight"; remove it from pipeline or drop this key')
     if not wanted or "preflight" in pipeline:
         return pipeline
     if any(STAGES[s].needs_target for s in pipeline):
@@ -388,8 +390,11 @@ def _check_stages(report: Report, data: dict, pipeline: tuple[str, ...]) -> dict
                 report.error(key, f"'{name}' is not in the pipeline; add it to pipeline or remove [{key}]")
             else:
                 close = difflib.get_close_matches(name, list(pipeline), n=1)
-                hint = f"did you mean 'stages.{close[0]}'?" if close else \
-                    f"the pipeline's stages are: {', '.join(pipeline)}"
+                hint = (
+                    f"did you mean 'stages.{close[0]}'?"
+                    if close
+                    else f"the pipeline's stages are: {', '.join(pipeline)}"
+                )
                 report.error(key, f"unknown stage; {hint}")
             continue
         if not isinstance(sub, dict):
@@ -409,7 +414,7 @@ def _check_stages(report: Report, data: dict, pipeline: tuple[str, ...]) -> dict
 def validate(data: dict[str, Any], base_dir: str | os.PathLike, source: str) -> RunConfig:
     """Check a parsed TOML document; raise ConfigError listing every mistake."""
     report = Report(source)
-    files = {"base_dir": Path(base_dir).absolute()}     # the context that resolves and checks paths
+    files = {"base_dir": Path(base_dir).absolute()}  # the context that resolves and checks paths
     report.unknown_keys(data, "", [*RunConfig.model_fields, "preflight"])
     head = report.table(_Head, {k: v for k, v in data.items() if k in _Head.model_fields}, "", files)
     # The stages the pipeline names correctly, even when it has mistakes, so that the checks
@@ -434,52 +439,89 @@ def validate(data: dict[str, Any], base_dir: str | os.PathLike, source: str) -> 
     tp = extract.tensor_parallel_size
     backend = extract.backend if report.ok("extract.backend") else None
     if tp > 1 and backend == "hf":
-        report.error("extract.tensor_parallel_size",
-                     f'{tp} needs backend "vllm"; set extract.backend = "vllm" or tensor_parallel_size = 1')
+        report.error(
+            "extract.tensor_parallel_size",
+            f'{tp} needs backend "vllm"; set extract.backend = "vllm" or tensor_parallel_size = 1',
+        )
     devices = resources.devices
     if isinstance(devices, tuple) and tp > len(devices) and backend == "vllm":
-        report.error("extract.tensor_parallel_size", f"{tp} needs {tp} GPUs but resources.devices lists "
-                                                     f"{len(devices)}; list {tp} devices or lower tensor_parallel_size")
+        report.error(
+            "extract.tensor_parallel_size",
+            f"{tp} needs {tp} GPUs but resources.devices lists "
+            f"{len(devices)}; list {tp} devices or lower tensor_parallel_size",
+        )
     target_vocab = text_value(model_cfg, "vocab_size") if model_cfg else None
     # The default draft vocab matters only to stages that build or train a draft.
     draft_written = data["draft"] if isinstance(data.get("draft"), dict) else {}
     uses_draft = {"vocab", "train", "evaluate"} & set(pipeline) or "vocab_size" in draft_written
-    if (uses_draft and is_int(target_vocab) and report.ok("draft.vocab_size")
-            and draft.vocab_size > target_vocab):
-        report.error("draft.vocab_size", f"{draft.vocab_size} exceeds the target's vocabulary ({target_vocab}); "
-                                         f"use at most {target_vocab}")
-    evaluate = _check_evaluate(report, data, pipeline, data_cfg, devices, files,
-                               tp if report.ok("extract.tensor_parallel_size") else 1)
+    if uses_draft and is_int(target_vocab) and report.ok("draft.vocab_size") and draft.vocab_size > target_vocab:
+        report.error(
+            "draft.vocab_size",
+            f"{draft.vocab_size} exceeds the target's vocabulary ({target_vocab}); use at most {target_vocab}",
+        )
+    evaluate = _check_evaluate(
+        report, data, pipeline, data_cfg, devices, files, tp if report.ok("extract.tensor_parallel_size") else 1
+    )
 
     if report.errors:
         raise ConfigError(report.errors)
-    return RunConfig(name=head.name, output_dir=head.output_dir, pipeline=pipeline, target=target, data=data_cfg,
-                     extract=extract, resources=resources, draft=draft, train=train, evaluate=evaluate,
-                     stages=stages)
+    return RunConfig(
+        name=head.name,
+        output_dir=head.output_dir,
+        pipeline=pipeline,
+        target=target,
+        data=data_cfg,
+        extract=extract,
+        resources=resources,
+        draft=draft,
+        train=train,
+        evaluate=evaluate,
+        stages=stages,
+    )
 
 
-def _check_evaluate(report: Report, data: dict, pipeline: tuple[str, ...], data_cfg: DataConfig | None,
-                    devices: Any, files: dict, extract_tp: int) -> EvaluateConfig:
+def _check_evaluate(
+    report: Report,
+    data: dict,
+    pipeline: tuple[str, ...],
+    data_cfg: DataConfig | None,
+    devices: Any,
+    files: dict,
+    extract_tp: int,
+) -> EvaluateConfig:
     """[evaluate], with tensor_parallel_size defaulting to the run's (extract's) TP size."""
     ev = _section(report, data, "evaluate", EvaluateConfig, files) or EvaluateConfig()
     written = data["evaluate"] if isinstance(data.get("evaluate"), dict) else {}
     if ev.prompts is not None and not os.path.isfile(ev.prompts):
         what = "is a directory" if os.path.isdir(ev.prompts) else "does not exist"
-        report.error("evaluate.prompts", f"{ev.prompts} {what}; point it at a JSONL file of prompts, or remove "
-                                         "the key to prompt with prepare's validation rows")
-    elif (ev.prompts is None and "prompts" not in written and "evaluate" in pipeline and data_cfg is not None
-          and data_cfg.validation_fraction == 0):
-        report.error("evaluate.prompts", "missing, and data.validation_fraction = 0 holds no rows out to prompt "
-                                         "with; set data.validation_fraction > 0 or evaluate.prompts to a JSONL "
-                                         "prompt file")
+        report.error(
+            "evaluate.prompts",
+            f"{ev.prompts} {what}; point it at a JSONL file of prompts, or remove "
+            "the key to prompt with prepare's validation rows",
+        )
+    elif (
+        ev.prompts is None
+        and "prompts" not in written
+        and "evaluate" in pipeline
+        and data_cfg is not None
+        and data_cfg.validation_fraction == 0
+    ):
+        report.error(
+            "evaluate.prompts",
+            "missing, and data.validation_fraction = 0 holds no rows out to prompt "
+            "with; set data.validation_fraction > 0 or evaluate.prompts to a JSONL "
+            "prompt file",
+        )
     # A default taken from extract was checked there (it can exceed the devices only with backend
     # "vllm", which reports it); only a size set here is checked here.
     if ev.tensor_parallel_size is None:
         return ev.model_copy(update={"tensor_parallel_size": extract_tp})
     tp = ev.tensor_parallel_size
     if "evaluate" in pipeline and isinstance(devices, tuple) and tp > len(devices):
-        report.error("evaluate.tensor_parallel_size", f"{tp} needs {tp} GPUs but resources.devices lists "
-                                                      f"{len(devices)}; list {tp} devices or lower it")
+        report.error(
+            "evaluate.tensor_parallel_size",
+            f"{tp} needs {tp} GPUs but resources.devices lists {len(devices)}; list {tp} devices or lower it",
+        )
     return ev
 
 

@@ -53,7 +53,7 @@ def _fused_available() -> bool:
 def settings(ctx):
     """The attempt's Settings, from the run config in the rank context."""
     from eyas.state.runconfig import RunConfig, stage_options
-    from eyas.workers.train.loop import Settings
+    from eyas.workers.train.settings import Settings
 
     cfg = RunConfig.from_dict(ctx.config)
     if cfg.target is None:
@@ -62,23 +62,39 @@ def settings(ctx):
     opts = stage_options("train", ctx.options)
     device = _device(cfg.resources.devices)
     if device == "cpu" and opts.attention == "simple_flex_attention":
-        raise ValueError("stages.train.options.attention: flex attention has no CPU backward; use \"sdpa\" on CPU")
+        raise ValueError('stages.train.options.attention: flex attention has no CPU backward; use "sdpa" on CPU')
     if opts.loss_implementation == "fused" and not _fused_available():
-        raise ValueError("stages.train.options.loss_implementation: \"fused\" needs triton, which is not installed; "
-                         "use \"eager\"")
+        raise ValueError(
+            'stages.train.options.loss_implementation: "fused" needs triton, which is not installed; use "eager"'
+        )
     out = ctx.output_dir
     return Settings(
-        target_path=cfg.target.path, trust_remote_code=cfg.target.trust_remote_code,
-        draft_vocab=cfg.draft.vocab_size, num_layers=cfg.draft.num_layers, ttt_steps=cfg.draft.ttt_steps,
-        epochs=cfg.train.epochs, lr=cfg.train.lr, batch_tokens=cfg.train.batch_tokens,
-        warmup_steps=cfg.train.warmup_steps, weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip,
-        noise_std=cfg.train.noise_std, seed=cfg.train.seed, strategy=cfg.train.strategy, device=device,
-        prepare_dir=out / "prepare", extract_dir=out / "extract", vocab_dir=out / "vocab", out_dir=ctx.stage_dir,
-        scheduler=opts.scheduler, save_every=opts.save_every, log_every=opts.log_every,
+        target_path=cfg.target.path,
+        trust_remote_code=cfg.target.trust_remote_code,
+        draft_vocab=cfg.draft.vocab_size,
+        num_layers=cfg.draft.num_layers,
+        ttt_steps=cfg.draft.ttt_steps,
+        epochs=cfg.train.epochs,
+        lr=cfg.train.lr,
+        batch_tokens=cfg.train.batch_tokens,
+        warmup_steps=cfg.train.warmup_steps,
+        weight_decay=cfg.train.weight_decay,
+        grad_clip=cfg.train.grad_clip,
+        noise_std=cfg.train.noise_std,
+        seed=cfg.train.seed,
+        strategy=cfg.train.strategy,
+        device=device,
+        prepare_dir=out / "prepare",
+        extract_dir=out / "extract",
+        vocab_dir=out / "vocab",
+        out_dir=ctx.stage_dir,
+        scheduler=opts.scheduler,
+        save_every=opts.save_every,
+        log_every=opts.log_every,
         num_workers=(2 if device == "cuda" else 0) if opts.num_workers is None else opts.num_workers,
         loss=opts.loss,
-        loss_implementation=opts.loss_implementation or ("fused" if device == "cuda" and _fused_available()
-                                                         else "eager"),
+        loss_implementation=opts.loss_implementation
+        or ("fused" if device == "cuda" and _fused_available() else "eager"),
         attn_impl=opts.attention or ("simple_flex_attention" if device == "cuda" else "sdpa"),
         ttt_step_loss_decay=opts.ttt_step_loss_decay,
     )

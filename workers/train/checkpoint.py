@@ -121,8 +121,9 @@ def flatten_optimizer(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[
                 tensors[f"state/{param}/{key}"] = value.detach().to("cpu").contiguous()
             else:
                 plain.setdefault(param, {})[key] = value
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
-              for g in state_dict.get("param_groups", [])]
+    groups = [
+        {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in state_dict.get("param_groups", [])
+    ]
     return tensors, {"param_groups": groups, "plain_state": plain}
 
 
@@ -172,8 +173,9 @@ def save(root: Path, name: str, model, model_state: dict, optim_state: dict, tra
         save_file(tensors, tmp / OPTIMIZER)
         # Written last: a directory without it is never taken for a checkpoint, even if a
         # crash were to land it under its final name.
-        atomic.write_json(tmp / STATE, {"format": FORMAT, "version": FORMAT_VERSION, **trainer_state,
-                                        "optimizer": rest})
+        atomic.write_json(
+            tmp / STATE, {"format": FORMAT, "version": FORMAT_VERSION, **trainer_state, "optimizer": rest}
+        )
         _fsync_tree(tmp)
         if final.exists():
             # Rename cannot replace a non-empty directory: swap it out first.

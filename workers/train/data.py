@@ -34,7 +34,7 @@ class DataError(ValueError):
 class Layout:
     """What extract wrote: which layer ids, in which order, of which width."""
 
-    layer_ids: tuple[int, ...]      # the last one is the verifier's last hidden state
+    layer_ids: tuple[int, ...]  # the last one is the verifier's last hidden state
     hidden_size: int
     num_hidden_layers: int
     dtype: str
@@ -48,20 +48,25 @@ class Layout:
 def read_layout(extract_dir: Path) -> Layout:
     path = extract_dir / "data_config.json"
     if not path.exists():
-        raise DataError(f"{path} does not exist: run the extract stage first (put \"extract\" before \"train\")")
+        raise DataError(f'{path} does not exist: run the extract stage first (put "extract" before "train")')
     cfg = json.loads(path.read_text())
     ids = tuple(int(i) for i in cfg["layer_ids"])
     n = int(cfg["num_hidden_layers"])
     if len(ids) < 2:
-        raise DataError(f"{path}: layer_ids {list(ids)} hold no draft input; extract at least one layer "
-                        "besides the last hidden state (extract.layer_ids)")
+        raise DataError(
+            f"{path}: layer_ids {list(ids)} hold no draft input; extract at least one layer "
+            "besides the last hidden state (extract.layer_ids)"
+        )
     if ids[-1] != n:
         # The loss targets are lm_head(norm(h_last)): only id N is the pre-norm output of the
         # whole decoder, anything else would train the draft towards the wrong distribution.
-        raise DataError(f"{path}: the last layer id is {ids[-1]}, but the verifier's last hidden state is id {n}; "
-                        f"end extract.layer_ids with {n}")
-    return Layout(layer_ids=ids, hidden_size=int(cfg["hidden_size"]), num_hidden_layers=n,
-                  dtype=str(cfg.get("dtype", "bfloat16")))
+        raise DataError(
+            f"{path}: the last layer id is {ids[-1]}, but the verifier's last hidden state is id {n}; "
+            f"end extract.layer_ids with {n}"
+        )
+    return Layout(
+        layer_ids=ids, hidden_size=int(cfg["hidden_size"]), num_hidden_layers=n, dtype=str(cfg.get("dtype", "bfloat16"))
+    )
 
 
 def read_splits(prepare_dir: Path, n_rows: int) -> tuple[list[int], list[int]]:
@@ -94,8 +99,10 @@ class HiddenStatesDataset(BaseDataset):
         self._lengths = [int(n) for n in dataset.with_format(None)["seq_len"]]
         missing = [r for r in self.rows if not (self.hs_dir / f"hs_{r}.safetensors").exists()]
         if missing:
-            raise DataError(f"{self.hs_dir}: {len(missing)} of {len(self.rows)} samples have no hidden-states file "
-                            f"(first: hs_{missing[0]}.safetensors); run the extract stage to completion")
+            raise DataError(
+                f"{self.hs_dir}: {len(missing)} of {len(self.rows)} samples have no hidden-states file "
+                f"(first: hs_{missing[0]}.safetensors); run the extract stage to completion"
+            )
         super().__init__(max_len, hidden_states_dtype=torch.float32)
 
     def __len__(self) -> int:
@@ -113,14 +120,18 @@ class HiddenStatesDataset(BaseDataset):
         hs, token_ids = f["hidden_states"], f["token_ids"]
         item = self._data[row]
         if hs.ndim != 3 or hs.shape[1] != len(self.layout.layer_ids) or hs.shape[2] != self.layout.hidden_size:
-            raise DataError(f"{path}: hidden_states has shape {tuple(hs.shape)}, expected [seq, "
-                            f"{len(self.layout.layer_ids)}, {self.layout.hidden_size}] (data_config.json); "
-                            "rerun extract into a fresh output_dir")
+            raise DataError(
+                f"{path}: hidden_states has shape {tuple(hs.shape)}, expected [seq, "
+                f"{len(self.layout.layer_ids)}, {self.layout.hidden_size}] (data_config.json); "
+                "rerun extract into a fresh output_dir"
+            )
         if not torch.equal(token_ids, item["input_ids"].to(token_ids.dtype)):
-            raise DataError(f"{path}: its token_ids differ from row {row} of the prepared dataset; the hidden states "
-                            "belong to other data: rerun extract after prepare")
+            raise DataError(
+                f"{path}: its token_ids differ from row {row} of the prepared dataset; the hidden states "
+                "belong to other data: rerun extract after prepare"
+            )
         return {
-            "hidden_states": hs[:, :-1].flatten(1),           # the draft's inputs, layers side by side
+            "hidden_states": hs[:, :-1].flatten(1),  # the draft's inputs, layers side by side
             "input_ids": token_ids,
             "verifier_last_hidden_states": hs[:, -1],
             "loss_mask": item["loss_mask"],
@@ -151,8 +162,9 @@ def batch_tokens_of(batch: list[int], lengths: list[int], budget: int) -> int:
 def collate_fn(batch_tokens: int, layout: Layout, dtype) -> CollateFn:
     """speculators' collation: shift each sample (token t+1 with the hidden state of t), pack,
     pad to `batch_tokens`, number the documents."""
-    return CollateFn(batch_tokens, layout.hidden_size, num_target_layers=len(layout.aux_ids), dtype=dtype,
-                     preprocess=shift_batch)
+    return CollateFn(
+        batch_tokens, layout.hidden_size, num_target_layers=len(layout.aux_ids), dtype=dtype, preprocess=shift_batch
+    )
 
 
 class _Batches(torch.utils.data.Sampler):
@@ -168,12 +180,24 @@ class _Batches(torch.utils.data.Sampler):
         return len(self.batches)
 
 
-def loader(dataset: HiddenStatesDataset, batches: list[list[int]], collate: CollateFn, num_workers: int = 0,
-           pin_memory: bool = False):
+def loader(
+    dataset: HiddenStatesDataset,
+    batches: list[list[int]],
+    collate: CollateFn,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+):
     """Iterate collated batches. Workers prefetch on GPU hosts; on CPU they would take cores
     from the training step, so 0 (load in the loop) is the default there."""
     from torch.utils.data import DataLoader
 
-    return DataLoader(dataset, batch_sampler=_Batches(batches), collate_fn=collate, num_workers=num_workers,
-                      pin_memory=pin_memory, prefetch_factor=4 if num_workers else None,
-                      persistent_workers=False, multiprocessing_context="spawn" if num_workers else None)
+    return DataLoader(
+        dataset,
+        batch_sampler=_Batches(batches),
+        collate_fn=collate,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        prefetch_factor=4 if num_workers else None,
+        persistent_workers=False,
+        multiprocessing_context="spawn" if num_workers else None,
+    )

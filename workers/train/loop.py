@@ -12,6 +12,9 @@ checkpoints that a retried attempt resumes from (workers/train/checkpoint.py).
 Everything that decides which batch comes when is a pure function of the run's config
 (workers/train/data.py: plan), and the noise of a step is drawn from a generator seeded by
 (seed, step, rank): a resumed attempt replays exactly the steps an uninterrupted run makes.
+
+Over 500 lines: one Trainer whose steps (data, model, resume, wrap, step, validate, save) are
+read in the order they run; its settings and schedule are workers/train/settings.py.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,82 +33,26 @@ from eyas.workers.train import checkpoint
 from eyas.workers.train import data as train_data
 from eyas.workers.train import model as train_model
 from eyas.workers.train.metrics import Meter, ratios
+from eyas.workers.train.settings import Settings, make_scheduler
 
 log = logging.getLogger("eyas.train")
 
-MODEL_INPUTS = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
-                "verifier_last_hidden_states")
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What one training attempt needs, resolved from the run config (stages/train.py)."""
-
-    target_path: str
-    trust_remote_code: bool
-    draft_vocab: int
-    num_layers: int
-    ttt_steps: int
-    epochs: int
-    lr: float
-    batch_tokens: int
-    warmup_steps: int
-    weight_decay: float
-    grad_clip: float
-    noise_std: float
-    seed: int
-    strategy: str                   # "ddp" | "fsdp"
-    device: str                     # "cpu" | "cuda"
-    prepare_dir: Path
-    extract_dir: Path
-    vocab_dir: Path
-    out_dir: Path                   # <output_dir>/train
-    scheduler: str = "linear"       # "linear" | "cosine" | "constant"
-    save_every: int = 0             # a mid-epoch checkpoint every N steps; 0: at epoch ends only
-    log_every: int = 1
-    num_workers: int = 0
-    loss: str = "kl_div"
-    loss_implementation: str = "eager"
-    attn_impl: str = "sdpa"
-    ttt_step_loss_decay: float = 1.0
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.out_dir / "checkpoints"
-
-    def identity(self, layout: train_data.Layout, world_size: int, n_train: int) -> dict[str, Any]:
-        """What a checkpoint must share with this attempt to be resumed from: the model's shape,
-        and everything the batch plan and the schedule depend on. (Not the strategy: DDP and
-        FSDP checkpoints both hold full state dicts.)"""
-        return {"target": str(Path(self.target_path).resolve()), "layer_ids": list(layout.layer_ids),
-                "draft_vocab_size": self.draft_vocab, "num_layers": self.num_layers, "ttt_steps": self.ttt_steps,
-                "epochs": self.epochs, "batch_tokens": self.batch_tokens, "seed": self.seed,
-                "world_size": world_size, "train_rows": n_train}
-
-
-def make_scheduler(optimizer, kind: str, warmup: int, total: int):
-    """Linear warmup to the base lr over `warmup` steps, then decay to 0 at `total` (linear or
-    cosine, transformers' schedules as speculators uses them) or stay (constant)."""
-    from transformers import (
-        get_constant_schedule_with_warmup,
-        get_cosine_schedule_with_warmup,
-        get_linear_schedule_with_warmup,
-    )
-
-    warmup = min(warmup, max(total - 1, 0))
-    if kind == "linear":
-        return get_linear_schedule_with_warmup(optimizer, warmup, total)
-    if kind == "cosine":
-        return get_cosine_schedule_with_warmup(optimizer, warmup, total)
-    return get_constant_schedule_with_warmup(optimizer, warmup)
+MODEL_INPUTS = (
+    "hidden_states",
+    "input_ids",
+    "document_ids",
+    "loss_mask",
+    "position_ids",
+    "verifier_last_hidden_states",
+)
 
 
 @dataclass
 class _Position:
-    epoch: int = 0          # the epoch to run next (0-based)
-    step: int = 0           # batches of that epoch already done
+    epoch: int = 0  # the epoch to run next (0-based)
+    step: int = 0  # batches of that epoch already done
     global_step: int = 0
-    history: list[dict[str, Any]] = field(default_factory=list)   # validations
+    history: list[dict[str, Any]] = field(default_factory=list)  # validations
     best: dict[str, Any] | None = None
     train_loss: float | None = None
 
@@ -130,30 +76,38 @@ class Trainer:
         self.layout = train_data.read_layout(s.extract_dir)
         train_rows, val_rows = train_data.read_splits(s.prepare_dir, len(dataset))
         if len(train_rows) < ctx.world_size:
-            raise train_data.DataError(f"{len(train_rows)} training rows cannot feed {ctx.world_size} ranks; "
-                                       "add data or lower resources.ranks")
+            raise train_data.DataError(
+                f"{len(train_rows)} training rows cannot feed {ctx.world_size} ranks; add data or lower resources.ranks"
+            )
         hs_dir = s.extract_dir / train_data.HS_DIR
         self.hs_dtype = torch.bfloat16 if s.device == "cuda" else torch.float32
         self.collate = train_data.collate_fn(s.batch_tokens, self.layout, self.hs_dtype)
         self.train_set = train_data.HiddenStatesDataset(dataset, train_rows, hs_dir, self.layout, s.batch_tokens)
-        self.val_set = (train_data.HiddenStatesDataset(dataset, val_rows, hs_dir, self.layout, s.batch_tokens)
-                        if val_rows else None)
+        self.val_set = (
+            train_data.HiddenStatesDataset(dataset, val_rows, hs_dir, self.layout, s.batch_tokens) if val_rows else None
+        )
         lengths = self.train_set.approx_lengths
         self.lengths = lengths
         longest = max(lengths)
         if longest > s.batch_tokens and self.main:
-            log.warning("samples up to %d tokens are cut at train.batch_tokens = %d; raise it to train on them whole",
-                        longest, s.batch_tokens)
-        self.plans = [train_data.plan(lengths, s.batch_tokens, ctx.world_size, ctx.rank, s.seed, e)
-                      for e in range(s.epochs)]
+            log.warning(
+                "samples up to %d tokens are cut at train.batch_tokens = %d; raise it to train on them whole",
+                longest,
+                s.batch_tokens,
+            )
+        self.plans = [
+            train_data.plan(lengths, s.batch_tokens, ctx.world_size, ctx.rank, s.seed, e) for e in range(s.epochs)
+        ]
         if not self.plans[0]:
             raise train_data.DataError("no training batch could be packed; lower train.batch_tokens")
         self.total_steps = sum(len(p) for p in self.plans)
-        self.val_plan = (train_data.plan(self.val_set.approx_lengths, s.batch_tokens, ctx.world_size, ctx.rank,
-                                         s.seed, 0) if self.val_set else [])
+        self.val_plan = (
+            train_data.plan(self.val_set.approx_lengths, s.batch_tokens, ctx.world_size, ctx.rank, s.seed, 0)
+            if self.val_set
+            else []
+        )
         if self.val_set and not self.val_plan and self.main:
-            log.warning("%d validation rows are fewer than the %d ranks: no validation", len(val_rows),
-                        ctx.world_size)
+            log.warning("%d validation rows are fewer than the %d ranks: no validation", len(val_rows), ctx.world_size)
         self.n_train, self.n_val = len(train_rows), len(val_rows)
 
     def _tokens(self, batch: list[int]) -> int:
@@ -168,9 +122,17 @@ class Trainer:
 
     def _model(self):
         s = self.s
-        torch.manual_seed(s.seed)       # the same initial draft on every rank, and on every retry
-        return train_model.build(s.target_path, self.layout.aux_ids, s.draft_vocab, s.num_layers, s.ttt_steps,
-                                 s.vocab_dir, s.attn_impl, s.trust_remote_code)
+        torch.manual_seed(s.seed)  # the same initial draft on every rank, and on every retry
+        return train_model.build(
+            s.target_path,
+            self.layout.aux_ids,
+            s.draft_vocab,
+            s.num_layers,
+            s.ttt_steps,
+            s.vocab_dir,
+            s.attn_impl,
+            s.trust_remote_code,
+        )
 
     def _resume(self, model) -> tuple[checkpoint.Checkpoint | None, _Position]:
         s = self.s
@@ -178,7 +140,7 @@ class Trainer:
             removed = checkpoint.clean(s.checkpoints)
             if removed:
                 log.info("removed %d partial checkpoint(s) left by an interrupted save", removed)
-        self.dist.barrier()     # nobody looks before the leftovers are gone
+        self.dist.barrier()  # nobody looks before the leftovers are gone
         ckpt = checkpoint.latest(s.checkpoints)
         if ckpt is None:
             return None, _Position()
@@ -188,19 +150,33 @@ class Trainer:
             if saved.get(key) != identity[key]:
                 raise checkpoint.CheckpointError(
                     f"{ckpt.path} was written by another training setup ({key}: {saved.get(key)!r} there, "
-                    f"{identity[key]!r} now); delete {s.checkpoints} to start over, or set another output_dir")
+                    f"{identity[key]!r} now); delete {s.checkpoints} to start over, or set another output_dir"
+                )
         missing, unexpected = model.load_state_dict(checkpoint.load_model_state(ckpt), strict=False)
         missing = set(missing) - train_model.frozen_keys(model)
         if missing or unexpected:
-            raise checkpoint.CheckpointError(f"{ckpt.path / checkpoint.MODEL}: missing {sorted(missing)[:3]}, "
-                                             f"unexpected {sorted(unexpected)[:3]}; delete it to start over")
+            raise checkpoint.CheckpointError(
+                f"{ckpt.path / checkpoint.MODEL}: missing {sorted(missing)[:3]}, "
+                f"unexpected {sorted(unexpected)[:3]}; delete it to start over"
+            )
         st = ckpt.state
-        pos = _Position(epoch=int(st["next_epoch"]), step=int(st["next_step"]), global_step=int(st["global_step"]),
-                        history=list(st.get("validation") or []), best=st.get("best"),
-                        train_loss=st.get("train_loss"))
+        pos = _Position(
+            epoch=int(st["next_epoch"]),
+            step=int(st["next_step"]),
+            global_step=int(st["global_step"]),
+            history=list(st.get("validation") or []),
+            best=st.get("best"),
+            train_loss=st.get("train_loss"),
+        )
         if self.main:
-            log.info("resuming from %s: epoch %d, step %d of it, global step %d of %d", ckpt.name,
-                     pos.epoch + 1, pos.step, pos.global_step, self.total_steps)
+            log.info(
+                "resuming from %s: epoch %d, step %d of it, global step %d of %d",
+                ckpt.name,
+                pos.epoch + 1,
+                pos.step,
+                pos.global_step,
+                self.total_steps,
+            )
             best = checkpoint.best(s.checkpoints)
             if pos.best and (best is None or best.name != pos.best["name"]):
                 # Killed between a save and its link: the trainer state knows which one is best.
@@ -219,9 +195,13 @@ class Trainer:
         from torch.nn.parallel import DistributedDataParallel
 
         # The vocab maps are constant buffers: synced once at init, never again every forward.
-        return self.dist.track(DistributedDataParallel(
-            model, device_ids=[torch.cuda.current_device()] if s.device == "cuda" else None,
-            forward_sync_buffers=False))
+        return self.dist.track(
+            DistributedDataParallel(
+                model,
+                device_ids=[torch.cuda.current_device()] if s.device == "cuda" else None,
+                forward_sync_buffers=False,
+            )
+        )
 
     def _state_options(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -245,7 +225,11 @@ class Trainer:
 
     def _forward(self, inputs: dict[str, torch.Tensor]):
         s = self.s
-        kwargs = {"ttt_steps": s.ttt_steps, "ttt_step_loss_decay": s.ttt_step_loss_decay, "loss_config": self.loss_config}
+        kwargs = {
+            "ttt_steps": s.ttt_steps,
+            "ttt_step_loss_decay": s.ttt_step_loss_decay,
+            "loss_config": self.loss_config,
+        }
         if s.device == "cuda":
             with torch.autocast("cuda", dtype=self.hs_dtype):
                 return self.model(**inputs, **kwargs)
@@ -254,8 +238,9 @@ class Trainer:
     def _reduce(self, metrics: dict[str, torch.Tensor], extra: dict[str, float]) -> dict[str, float]:
         """Every rank's counts (and `extra`) summed with one all_reduce; the plain sums."""
         dev = self.s.device
-        values = ([metrics[k].detach().float().reshape(()).to(dev) for k in metrics]
-                  + [torch.tensor(float(v), device=dev) for v in extra.values()])
+        values = [metrics[k].detach().float().reshape(()).to(dev) for k in metrics] + [
+            torch.tensor(float(v), device=dev) for v in extra.values()
+        ]
         if not values:
             return {}
         sums = self.dist.all_reduce(torch.stack(values)).cpu()
@@ -267,8 +252,9 @@ class Trainer:
             return None
         self.model.eval()
         acc: dict[str, torch.Tensor] = {}
-        for batch in train_data.loader(self.val_set, self.val_plan, self.collate, self.s.num_workers,
-                                       self.s.device == "cuda"):
+        for batch in train_data.loader(
+            self.val_set, self.val_plan, self.collate, self.s.num_workers, self.s.device == "cuda"
+        ):
             _, _, metrics = self._forward(self._inputs(batch))
             for k, v in metrics.items():
                 acc[k] = acc[k] + v.detach().float() if k in acc else v.detach().float()
@@ -283,22 +269,39 @@ class Trainer:
         # Gathering full state dicts and writing them: silent for minutes with a large draft.
         with self.progress.beating(f"checkpoint {name}"):
             opts = self._state_options()
-            msd = get_model_state_dict(self.model, options=opts)      # collective under FSDP
+            msd = get_model_state_dict(self.model, options=opts)  # collective under FSDP
             osd = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
             if self.main:
                 t0 = time.monotonic()
-                state = {"name": name, "next_epoch": pos.epoch, "next_step": pos.step, "global_step": pos.global_step,
-                         "total_steps": self.total_steps, "epochs": self.s.epochs, "identity": self.identity,
-                         "scheduler": self.scheduler.state_dict(), "validation": pos.history, "best": pos.best,
-                         "train_loss": pos.train_loss, "time": time.time(),
-                         "rng": {"noise": "normal, from a torch.Generator seeded by (seed, global_step, rank)",
-                                 "seed": self.s.seed, "noise_std": self.s.noise_std}}
+                state = {
+                    "name": name,
+                    "next_epoch": pos.epoch,
+                    "next_step": pos.step,
+                    "global_step": pos.global_step,
+                    "total_steps": self.total_steps,
+                    "epochs": self.s.epochs,
+                    "identity": self.identity,
+                    "scheduler": self.scheduler.state_dict(),
+                    "validation": pos.history,
+                    "best": pos.best,
+                    "train_loss": pos.train_loss,
+                    "time": time.time(),
+                    "rng": {
+                        "noise": "normal, from a torch.Generator seeded by (seed, global_step, rank)",
+                        "seed": self.s.seed,
+                        "noise_std": self.s.noise_std,
+                    },
+                }
                 path = checkpoint.save(self.s.checkpoints, name, self.bare, msd, osd, state)
                 if pos.best and pos.best.get("name") == name:
                     checkpoint.set_best(self.s.checkpoints, name)
                 pruned = checkpoint.prune_steps(self.s.checkpoints, keep=name)
-                log.info("checkpoint %s saved in %.1fs%s", path, time.monotonic() - t0,
-                         f" (removed {', '.join(pruned)})" if pruned else "")
+                log.info(
+                    "checkpoint %s saved in %.1fs%s",
+                    path,
+                    time.monotonic() - t0,
+                    f" (removed {', '.join(pruned)})" if pruned else "",
+                )
         self.dist.barrier()
 
     # -- the run -----------------------------------------------------------------------------
@@ -329,13 +332,13 @@ class Trainer:
         from speculators.losses import resolve_loss_config
         from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()   # a bar per checkpoint would litter the rank log
+        hf_logging.disable_progress_bar()  # a bar per checkpoint would litter the rank log
 
         s, ctx = self.s, self.ctx
         self._data()
         self.identity = s.identity(self.layout, ctx.world_size, self.n_train)
         self.loss_config = resolve_loss_config(s.loss, s.loss_implementation)
-        with self.progress.beating("build draft model"):    # reads the target's embeddings and head
+        with self.progress.beating("build draft model"):  # reads the target's embeddings and head
             self.bare = self._model()
         ckpt, pos = self._resume(self.bare)
         self.model = self._wrap(self.bare)
@@ -345,15 +348,20 @@ class Trainer:
         if ckpt is not None:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-            set_optimizer_state_dict(self.model, self.optimizer, checkpoint.load_optimizer_state(ckpt),
-                                     options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(
+                self.model,
+                self.optimizer,
+                checkpoint.load_optimizer_state(ckpt),
+                options=StateDictOptions(full_state_dict=True),
+            )
             self.scheduler.load_state_dict(ckpt.state["scheduler"])
 
         samples_total = sum(len(b) for p in self.plans for b in p)
         tokens_total = sum(self._tokens(b) for p in self.plans for b in p)
         samples, tokens = self._done_before(pos.epoch, pos.step)
-        self.progress.update(samples=samples, tokens=tokens, samples_total=samples_total, tokens_total=tokens_total,
-                             force=True)
+        self.progress.update(
+            samples=samples, tokens=tokens, samples_total=samples_total, tokens_total=tokens_total, force=True
+        )
         if ckpt is None:
             val = self.validate()
             if val is not None:
@@ -370,7 +378,7 @@ class Trainer:
             loader = train_data.loader(self.train_set, batches[start:], self.collate, s.num_workers, s.device == "cuda")
             meter.resume()
             for i, batch in enumerate(loader, start):
-                n_tok = int((batch["document_ids"] != -1).sum())     # on the host: no device sync
+                n_tok = int((batch["document_ids"] != -1).sum())  # on the host: no device sync
                 inputs = self._inputs(batch)
                 metrics, grad_norm, lr = self._step(inputs, params, pos.global_step)
                 pos.global_step += 1
@@ -384,22 +392,40 @@ class Trainer:
                     vals = ratios(sums)
                     pos.train_loss = vals.get("loss")
                     grad = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-                    vals.update(lr=lr, grad_norm=grad, step_tok_s=sums["tokens"] / dt if dt > 0 else 0.0,
-                                epoch=epoch + (i + 1) / len(batches))
+                    vals.update(
+                        lr=lr,
+                        grad_norm=grad,
+                        step_tok_s=sums["tokens"] / dt if dt > 0 else 0.0,
+                        epoch=epoch + (i + 1) / len(batches),
+                    )
                     # The attempt's first step is always written: it shows where training (re)started.
-                    self.progress.update(samples=samples, tokens=tokens, force=meter.steps == 0,
-                                         **(dict(vals, step=pos.global_step) if self.main else {}))
+                    self.progress.update(
+                        samples=samples,
+                        tokens=tokens,
+                        force=meter.steps == 0,
+                        **(dict(vals, step=pos.global_step) if self.main else {}),
+                    )
                     if self.main:
-                        log.info("epoch %d/%d step %d/%d (global %d/%d): loss %.4f acc %s lr %.2e grad %.3f "
-                                 "%.0f tok/s", epoch + 1, s.epochs, i + 1, len(batches), pos.global_step,
-                                 self.total_steps, vals.get("loss", math.nan), self._accs(vals), lr, grad,
-                                 vals["step_tok_s"])
+                        log.info(
+                            "epoch %d/%d step %d/%d (global %d/%d): loss %.4f acc %s lr %.2e grad %.3f %.0f tok/s",
+                            epoch + 1,
+                            s.epochs,
+                            i + 1,
+                            len(batches),
+                            pos.global_step,
+                            self.total_steps,
+                            vals.get("loss", math.nan),
+                            self._accs(vals),
+                            lr,
+                            grad,
+                            vals["step_tok_s"],
+                        )
                 else:
                     self.progress.update(samples=samples, tokens=tokens)
                 meter.step(n_tok)
                 if s.save_every and pos.global_step % s.save_every == 0 and not last:
                     self._save(f"step-{pos.global_step}", pos)
-                    meter.resume()      # saving is not training time
+                    meter.resume()  # saving is not training time
             pos.epoch, pos.step = epoch + 1, 0
             name = f"epoch-{epoch + 1}"
             val = self.validate()
@@ -407,11 +433,15 @@ class Trainer:
                 pos.history.append({"step": pos.global_step, "epoch": float(epoch + 1), **val})
                 self._report(val, step=pos.global_step, force=True)
                 if self.main:
-                    log.info("epoch %d/%d: validation loss %.4f, acc %s", epoch + 1, s.epochs, val["val_loss"],
-                             self._accs(val, "val_"))
+                    log.info(
+                        "epoch %d/%d: validation loss %.4f, acc %s",
+                        epoch + 1,
+                        s.epochs,
+                        val["val_loss"],
+                        self._accs(val, "val_"),
+                    )
             if val is None or pos.best is None or val["val_loss"] < pos.best["val_loss"]:
-                pos.best = {"name": name, "epoch": epoch + 1,
-                            "val_loss": val["val_loss"] if val is not None else None}
+                pos.best = {"name": name, "epoch": epoch + 1, "val_loss": val["val_loss"] if val is not None else None}
             self._save(name, pos)
             self.progress.update(samples=samples, tokens=tokens, force=True)
 
@@ -436,13 +466,15 @@ class Trainer:
             self.progress.update(force=force, val_step=step, **val)
 
     def _accs(self, vals: dict[str, float], prefix: str = "") -> str:
-        return "/".join(f"{vals[f'{prefix}acc_{k}']:.3f}" for k in range(self.s.ttt_steps)
-                        if f"{prefix}acc_{k}" in vals)
+        return "/".join(
+            f"{vals[f'{prefix}acc_{k}']:.3f}" for k in range(self.s.ttt_steps) if f"{prefix}acc_{k}" in vals
+        )
 
     def _summary(self, ckpt, pos: _Position, meter: Meter) -> dict[str, Any]:
         s, ctx = self.s, self.ctx
-        totals = self._reduce({}, {"tokens": meter.tokens, "seconds": meter.seconds, "cpu": meter.cpu_seconds,
-                                   "all": meter.all_tokens})
+        totals = self._reduce(
+            {}, {"tokens": meter.tokens, "seconds": meter.seconds, "cpu": meter.cpu_seconds, "all": meter.all_tokens}
+        )
         best = checkpoint.best(s.checkpoints)
         last = s.checkpoints / f"epoch-{s.epochs}"
         final_val = pos.history[-1] if pos.history else {}
@@ -453,8 +485,11 @@ class Trainer:
             "checkpoint": str(best.path if best else last),
             "best_checkpoint": best.name if best else None,
             "last_checkpoint": str(last),
-            "epochs": s.epochs, "steps": pos.global_step, "steps_this_attempt": meter.steps,
-            "resumed_from": ckpt.name if ckpt else None, "resumed_at_step": ckpt.global_step if ckpt else 0,
+            "epochs": s.epochs,
+            "steps": pos.global_step,
+            "steps_this_attempt": meter.steps,
+            "resumed_from": ckpt.name if ckpt else None,
+            "resumed_at_step": ckpt.global_step if ckpt else 0,
             "tokens_this_attempt": int(totals["all"]),
             # The group's steady training throughput: its tokens over the mean rank's time in the
             # training loop (data loading included; the attempt's first step, validation and
@@ -463,12 +498,22 @@ class Trainer:
             # The same tokens per CPU-second of the ranks: what other load on the host moves least.
             "tok_per_cpu_s": totals["tokens"] / totals["cpu"] if totals.get("cpu") else None,
             "loss": pos.train_loss,
-            "val_loss": final_val.get("val_loss"), "val_loss_initial": first_val.get("val_loss"),
+            "val_loss": final_val.get("val_loss"),
+            "val_loss_initial": first_val.get("val_loss"),
             **{k: v for k, v in final_val.items() if k.startswith(("val_acc_", "val_cond_acc_"))},
-            "validation": pos.history, "train_rows": self.n_train, "validation_rows": self.n_val,
-            "world_size": ctx.world_size, "strategy": s.strategy if ctx.world_size > 1 else "single",
-            "device": s.device, "attention": s.attn_impl, "loss_fn": s.loss,
-            "draft": {"vocab_size": s.draft_vocab, "num_layers": s.num_layers, "ttt_steps": s.ttt_steps,
-                      "aux_layer_ids": self.layout.aux_ids},
+            "validation": pos.history,
+            "train_rows": self.n_train,
+            "validation_rows": self.n_val,
+            "world_size": ctx.world_size,
+            "strategy": s.strategy if ctx.world_size > 1 else "single",
+            "device": s.device,
+            "attention": s.attn_impl,
+            "loss_fn": s.loss,
+            "draft": {
+                "vocab_size": s.draft_vocab,
+                "num_layers": s.num_layers,
+                "ttt_steps": s.ttt_steps,
+                "aux_layer_ids": self.layout.aux_ids,
+            },
         }
         return out

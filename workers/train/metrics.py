@@ -15,12 +15,11 @@ def ratios(sums: dict[str, float], prefix: str = "") -> dict[str, float]:
             continue
         name = key[: -len("_total")]
         if name.startswith("full_acc_"):
-            name = "acc_" + name[len("full_acc_"):]
+            name = "acc_" + name[len("full_acc_") :]
         value = sums.get(key[: -len("_total")] + "_sum")
         if value is not None:
             out[prefix + name] = value / total if total > 0 else float("nan")
     return out
-
 
 
 class Meter:
@@ -30,7 +29,7 @@ class Meter:
 
     def __init__(self):
         self.steps = 0
-        self.tokens = 0         # timed tokens (first step left out)
+        self.tokens = 0  # timed tokens (first step left out)
         self.all_tokens = 0
         self.seconds = 0.0
         self.cpu_seconds = 0.0  # the process' CPU time over the same spans, every thread's
