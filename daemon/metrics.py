@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 from eyas.state import contract, store
 
@@ -14,6 +15,28 @@ from .sampler import RankRef
 def _running(rank: Rank) -> bool:
     """Still worth sampling: not ended, or ended only by its own error record (it may live on)."""
     return rank.exit is None or (rank.exit.error is not None and rank.exit.signal is None)
+
+
+def _ref(g: Group, member: Rank, progress: Path, exclude: frozenset[int] = frozenset()) -> RankRef:
+    """What the sampler measures of one member: a driver rank from its monitor down, a TP worker
+    from its own pid."""
+    pid, create_time = (
+        (member.pid, member.create_time)
+        if member.tp_rank is not None
+        else (member.monitor_pid, member.monitor_create_time)
+    )
+    return RankRef(
+        g.run_id,
+        g.stage,
+        g.attempt,
+        g.attempt_id,
+        member.rank,
+        pid,
+        create_time,
+        progress,
+        g.metrics_since,
+        exclude=exclude,
+    )
 
 
 class Metrics:
@@ -30,33 +53,12 @@ class Metrics:
             # A TP worker is measured as its own rank, so its tree is kept out of its driver's.
             tp_pids = frozenset(w.pid for w in g.workers.values() if w.pid)
             refs += [
-                RankRef(
-                    g.run_id,
-                    g.stage,
-                    g.attempt,
-                    g.attempt_id,
-                    r.rank,
-                    r.monitor_pid,
-                    r.monitor_create_time,
-                    g.dir / contract.rank_file(r.rank, contract.PROGRESS),
-                    g.metrics_since,
-                    exclude=tp_pids,
-                )
+                _ref(g, r, g.dir / contract.rank_file(r.rank, contract.PROGRESS), exclude=tp_pids)
                 for r in g.ranks
                 if final or r.exit is None
             ]
             refs += [
-                RankRef(
-                    g.run_id,
-                    g.stage,
-                    g.attempt,
-                    g.attempt_id,
-                    w.rank,
-                    w.pid,
-                    w.create_time,
-                    g.dir / contract.tp_file(k, contract.PROGRESS),
-                    g.metrics_since,
-                )
+                _ref(g, w, g.dir / contract.tp_file(k, contract.PROGRESS))
                 for k, w in sorted(g.workers.items())
                 if final or _running(w)
             ]

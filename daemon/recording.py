@@ -148,3 +148,27 @@ class Recording:
                 "time": time.time(),
             },
         )
+
+    def record_started(self, group, ranks: list, what: str) -> None:
+        """Queue the rows of ranks just started, with the group's rendezvous port: the group is
+        supervised from their start, whether or not the rows can be written yet."""
+        now, attempt_id, port, host = time.time(), group.attempt_id, group.master_port, self.host
+        rows = [(r.rank, r.monitor_pid, r.monitor_create_time, r.device, str(r.log_path)) for r in ranks]
+
+        def record(db):
+            db["attempts"].update(attempt_id, {"master_port": port})
+            for rank, mpid, mct, device, log_path in rows:
+                store.upsert_rank(
+                    db,
+                    attempt_id,
+                    rank,
+                    monitor_pid=mpid,
+                    monitor_create_time=mct,
+                    host=host,
+                    device=device,
+                    state="running",
+                    started_at=now,
+                    log_path=log_path,
+                )
+
+        self.write_later(record, what)

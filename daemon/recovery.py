@@ -149,35 +149,11 @@ class Recovery:
             ", ".join(map(str, unstarted)),
             port,
         )
-        now = time.time()
-        ranks = [
-            (
-                group.ranks[r].rank,
-                group.ranks[r].monitor_pid,
-                group.ranks[r].monitor_create_time,
-                group.ranks[r].device,
-                str(group.ranks[r].log_path),
-            )
-            for r in unstarted
-        ]
-
-        def record(db):
-            db["attempts"].update(group.attempt_id, {"master_port": port})
-            for rank, mpid, mct, device, log_path in ranks:
-                store.upsert_rank(
-                    db,
-                    group.attempt_id,
-                    rank,
-                    monitor_pid=mpid,
-                    monitor_create_time=mct,
-                    host=self.host,
-                    device=device,
-                    state="running",
-                    started_at=now,
-                    log_path=log_path,
-                )
-
-        self.write_later(record, f"recording the ranks started for run {group.run_id} {group.stage}")
+        self.record_started(
+            group,
+            [group.ranks[r] for r in unstarted],
+            f"recording the ranks started for run {group.run_id} {group.stage}",
+        )
 
     async def check_run_folders(self) -> None:
         """Warn, once at start, about run folders that no run of the database records: the

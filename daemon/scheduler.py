@@ -205,26 +205,7 @@ class Scheduler:
         # restarted daemon finds the ranks by their proc files or environment (intent.py).
         set_bounds(group, st.cfg)
         self.groups[attempt_id] = group
-        now = time.time()
-        ranks = [(r.rank, r.monitor_pid, r.monitor_create_time, r.device, str(r.log_path)) for r in group.ranks]
-
-        def record(db):
-            db["attempts"].update(attempt_id, {"master_port": group.master_port})
-            for rank, mpid, mct, device, log_path in ranks:
-                store.upsert_rank(
-                    db,
-                    attempt_id,
-                    rank,
-                    monitor_pid=mpid,
-                    monitor_create_time=mct,
-                    host=self.host,
-                    device=device,
-                    state="running",
-                    started_at=now,
-                    log_path=log_path,
-                )
-
-        self.write_later(record, f"recording the ranks of run {run_id} {stage} attempt {number}")
+        self.record_started(group, group.ranks, f"recording the ranks of run {run_id} {stage} attempt {number}")
         self._emit_state(run_id, "attempt", "running", f"attempt {number} started", stage=stage, attempt=number)
         log.info(
             "run %s: %s attempt %s started with %s ranks (devices %s)",

@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 from daemon_harness import daemon, wait_for  # noqa: F401 (fixture)
+from rank_context import rank_context
 
 from eyas.workers.models import assets
-from eyas.workers.runtime.progress import ProgressWriter
 from eyas.workers.runtime.rank import RankContext
 from eyas.workers.stages import extract
 
@@ -55,23 +55,13 @@ def context(
 ) -> RankContext:
     attempt_dir = output_dir.parent / f"attempt-{rank}-{time.monotonic_ns()}"
     attempt_dir.mkdir(parents=True)
-    return RankContext(
-        rank=rank,
-        world_size=world_size,
-        local_rank=rank,
-        master_addr="127.0.0.1",
-        master_port=0,
-        run_id=None,
-        stage="extract",
-        attempt=1,
-        attempt_dir=attempt_dir,
-        output_dir=output_dir,
-        config={
-            "target": {"path": str(target), "dtype": dtype, "trust_remote_code": trust_remote_code},
-            "extract": {"backend": "hf", "layer_ids": layer_ids, "tensor_parallel_size": 1, "batch_size": batch_size},
-            "resources": {"ranks": world_size, "devices": "cpu"},
-        },
-        progress=ProgressWriter(attempt_dir / f"rank-{rank}.progress.jsonl", min_interval=0),
+    config = {
+        "target": {"path": str(target), "dtype": dtype, "trust_remote_code": trust_remote_code},
+        "extract": {"backend": "hf", "layer_ids": layer_ids, "tensor_parallel_size": 1, "batch_size": batch_size},
+        "resources": {"ranks": world_size, "devices": "cpu"},
+    }
+    return rank_context(
+        "extract", attempt_dir, output_dir, config, rank=rank, world_size=world_size, progress_interval=0
     )
 
 

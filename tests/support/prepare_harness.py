@@ -6,9 +6,8 @@ import json
 from pathlib import Path
 
 from daemon_harness import daemon  # noqa: F401 (fixture)
+from rank_context import rank_context
 
-from eyas.workers.runtime.progress import ProgressWriter
-from eyas.workers.runtime.rank import RankContext
 from eyas.workers.stages import prepare
 
 
@@ -16,20 +15,7 @@ def run_prepare(cfg: dict, out: Path, attempt: int = 1) -> dict:
     """Run the stage's entry point as the rank runtime would; return its summary.json."""
     attempt_dir = out / "attempts" / f"attempt-{attempt}"
     attempt_dir.mkdir(parents=True, exist_ok=True)
-    ctx = RankContext(
-        rank=0,
-        world_size=1,
-        local_rank=0,
-        master_addr="127.0.0.1",
-        master_port=29500,
-        run_id=1,
-        stage="prepare",
-        attempt=attempt,
-        attempt_dir=attempt_dir,
-        output_dir=out,
-        config=cfg,
-        progress=ProgressWriter(attempt_dir / "rank-0.progress.jsonl"),
-    )
+    ctx = rank_context("prepare", attempt_dir, out, cfg, attempt=attempt, run_id=1, master_port=29500)
     try:
         prepare.main(ctx)
     finally:

@@ -54,28 +54,23 @@ def config(
 def context(
     stage: str, out: Path, cfg: dict, rank: int = 0, world_size: int = 1, attempt: int = 1, options: dict | None = None
 ):
-    from eyas.workers.runtime.progress import ProgressWriter
-    from eyas.workers.runtime.rank import RankContext
+    from rank_context import rank_context
 
     attempt_dir = out.parent / "attempts" / f"{out.name}-{stage}-{attempt}-{time.monotonic_ns()}"
     attempt_dir.mkdir(parents=True)
     if options is not None:
         cfg = json.loads(json.dumps(cfg))
         cfg.setdefault("stages", {})[stage] = {"options": options}
-    return RankContext(
+    return rank_context(
+        stage,
+        attempt_dir,
+        out,
+        cfg,
         rank=rank,
         world_size=world_size,
-        local_rank=rank,
-        master_addr="127.0.0.1",
-        master_port=0,
-        run_id=None,
-        stage=stage,
         attempt=attempt,
-        attempt_dir=attempt_dir,
-        output_dir=out,
-        config=cfg,
-        options=dict(options or {}),
-        progress=ProgressWriter(attempt_dir / f"rank-{rank}.progress.jsonl", min_interval=0),
+        options=options,
+        progress_interval=0,
     )
 
 

@@ -25,6 +25,7 @@ import psutil
 import pytest
 import torch
 from daemon_harness import Daemon, short_tmp, wait_for
+from rank_context import rank_context
 from runtoml import extract_toml
 from safetensors.torch import load_file, save_file
 
@@ -32,8 +33,6 @@ from eyas.daemon import logsplit
 from eyas.state import queries, runconfig, schema, store
 from eyas.workers.extract import hswriter
 from eyas.workers.models import adapters, assets
-from eyas.workers.runtime.progress import ProgressWriter
-from eyas.workers.runtime.rank import RankContext
 from eyas.workers.stages import extract
 from eyas.workers.vllm import backend as vllm_backend
 from eyas.workers.vllm import layout as vllm_layout
@@ -196,20 +195,7 @@ def hf_reference(output_dir: Path, target: Path, rows: list[list[int]]) -> Path:
     write_dataset(output_dir, rows)
     attempt = output_dir / "attempt"
     attempt.mkdir()
-    ctx = RankContext(
-        rank=0,
-        world_size=1,
-        local_rank=0,
-        master_addr="127.0.0.1",
-        master_port=0,
-        run_id=None,
-        stage="extract",
-        attempt=1,
-        attempt_dir=attempt,
-        output_dir=output_dir,
-        config=config(target, backend="hf"),
-        progress=ProgressWriter(attempt / "rank-0.progress.jsonl", min_interval=0),
-    )
+    ctx = rank_context("extract", attempt, output_dir, config(target, backend="hf"), progress_interval=0)
     extract.main(ctx)
     ctx.progress.close()
     return output_dir / "extract" / "hidden_states"

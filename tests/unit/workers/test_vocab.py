@@ -8,12 +8,11 @@ import logging
 import numpy as np
 import pytest
 import torch
+from rank_context import rank_context
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
 from eyas.state.runconfig import DraftConfig, RunConfig, TargetConfig
 from eyas.workers.data.target_vocab import target_vocab_size
-from eyas.workers.runtime.progress import ProgressWriter
-from eyas.workers.runtime.rank import RankContext
 from eyas.workers.stages import vocab
 from eyas.workers.stages.vocab import VocabError, build_mapping
 
@@ -75,20 +74,7 @@ def run(tmp_path):
         attempt_dir = tmp_path / f"attempt-{attempt}"
         attempt_dir.mkdir(exist_ok=True)
         cfg = RunConfig(name="v", target=TargetConfig(path=str(target)), draft=DraftConfig(vocab_size=n)).to_dict()
-        ctx = RankContext(
-            rank=0,
-            world_size=1,
-            local_rank=0,
-            master_addr="127.0.0.1",
-            master_port=29500,
-            run_id=1,
-            stage="vocab",
-            attempt=attempt,
-            attempt_dir=attempt_dir,
-            output_dir=out,
-            config=cfg,
-            progress=ProgressWriter(attempt_dir / "rank-0.progress.jsonl"),
-        )
+        ctx = rank_context("vocab", attempt_dir, out, cfg, attempt=attempt, run_id=1, master_port=29500)
         vocab.main(ctx)
         return json.loads((attempt_dir / "summary.json").read_text())
 
