@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from eyas.state import paths, queries
+from eyas.state import contract, paths, queries
 from eyas.state.logcut import Tail
 from eyas.state.logtime import HEAD as _HEAD
 from eyas.state.logtime import TIME as _TIME
@@ -23,7 +23,6 @@ from eyas.state.logtime import stamp as _stamp
 
 from . import history
 
-_RANK_FILE = re.compile(r"rank-(\d+)\.log")
 POLL_S = 0.2
 # After the attempt has ended, how long the files must stay unchanged before -f stops.
 QUIET_S = 2.0
@@ -185,10 +184,9 @@ class Follower:
         except FileNotFoundError:
             return False
         for name in names:
-            m = _RANK_FILE.fullmatch(name)
-            if not m:
+            rank = contract.rank_of_log(name)
+            if rank is None:
                 continue
-            rank = int(m.group(1))
             if rank in self.logs or (self.args.rank is not None and rank != self.args.rank):
                 continue
             self.logs[rank] = RankLog(self.dir / name, rank, self.start)

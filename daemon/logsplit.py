@@ -103,7 +103,7 @@ class LogSplitter:
         self.sizes = {str(k): int(v) for k, v in (state.get("sizes") or {}).items()}
         self.died = {int(k): (None if v is None else int(v)) for k, v in (state.get("died") or {}).items()}
         # Lines appended after the last recorded state are appended again: cut them first.
-        for path in self.dir.glob("tp-*.log"):
+        for path in self.dir.glob(contract.TP_LOG_GLOB):
             self._truncate(path, self.sizes.get(path.name, 0))
         self._truncate(self.dir / contract.DRIVER_LOG, self.sizes.get(contract.DRIVER_LOG, 0))
         return int(state.get("offset", 0))

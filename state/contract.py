@@ -60,8 +60,10 @@ SUMMARY = "summary.json"
 DRIVER_LOG = "driver.log"  # a vLLM driver's own lines, split from its TP workers' (daemon/logsplit.py)
 PROGRESS_GLOB = f"*.{PROGRESS}"
 TP_PROC_GLOB = f"tp-*.{PROC}"
+TP_LOG_GLOB = f"tp-*.{LOG}"
 
 _TP_PROC = re.compile(rf"tp-(\d+)\.{re.escape(PROC)}")
+_RANK_LOG = re.compile(rf"rank-(\d+)\.{re.escape(LOG)}")
 
 
 def rank_file(rank: int, kind: str) -> str:
@@ -76,6 +78,12 @@ def tp_file(tp_rank: int, kind: str) -> str:
     if kind not in (LOG, PROC, PROGRESS, ERROR):
         raise ValueError(f"{kind!r} is not a TP worker file")
     return f"tp-{tp_rank}.{kind}"
+
+
+def rank_of_log(name: str) -> int | None:
+    """The rank a log file belongs to ("rank-3.log" -> 3), else None."""
+    m = _RANK_LOG.fullmatch(name)
+    return int(m.group(1)) if m else None
 
 
 def tp_rank_of(name: str) -> int | None:

@@ -31,7 +31,6 @@ from ..widgets.logview import LogView
 from .base import EyasScreen
 
 REDRAW_HZ = 10
-_RANK_FILE = re.compile(r"rank-(\d+)\.log")
 
 
 class LogsScreen(EyasScreen):
@@ -128,7 +127,7 @@ class LogsScreen(EyasScreen):
             r["rank"] for r in attempt["ranks"] if (self.dir / contract.rank_file(r["rank"], contract.LOG)).exists()
         }
         try:
-            ranks |= {int(m.group(1)) for p in self.dir.iterdir() if (m := _RANK_FILE.fullmatch(p.name))}
+            ranks |= {r for p in self.dir.iterdir() if (r := contract.rank_of_log(p.name)) is not None}
         except OSError:
             pass
         if self.watcher is not None:
