@@ -1,4 +1,4 @@
-"""`eyas doctor CONFIG [--json]`: the CLI side, which only hands over to the worker side.
+"""`eyas doctor CONFIG [--json] [--canary]`: the CLI side, which only hands over to the worker side.
 
 The checks import torch, transformers and vLLM, which the daemon's side of eyas never does;
 so this process replaces itself (os.execv) with `python -m eyas.workers.doctor`: one process,
@@ -14,7 +14,8 @@ WORKER = "eyas.workers.doctor"
 
 
 def command(args) -> int:
-    argv = [sys.executable, "-m", WORKER, args.config] + (["--json"] if args.json else [])
+    flags = [flag for flag, on in (("--json", args.json), ("--canary", args.canary)) if on]
+    argv = [sys.executable, "-m", WORKER, args.config, *flags]
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, argv)

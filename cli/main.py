@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     doc = sub.add_parser("doctor", help="check a run config, its target and this machine (no weights loaded)")
     doc.add_argument("config", help="the run's TOML file")
     doc.add_argument("--json", action="store_true", help="print the checks as JSON")
+    doc.add_argument(
+        "--canary",
+        action="store_true",
+        help="also run the extraction's canary: the run's engine on a shrunken, dummy-weight copy of the target",
+    )
 
     sub.add_parser("demo", help="the whole pipeline on a tiny built-in target")
 

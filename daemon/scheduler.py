@@ -61,7 +61,12 @@ class Scheduler:
             return []
         extract = cfg.get("extract", {})
         per_rank = 1
-        if stage == "extract" and extract.get("backend") == "vllm":
+        if stage == "preflight":  # its canary runs the extraction's engine at the same TP size
+            if "extract" not in cfg.get("pipeline", ()) or not extract.get("canary", True):
+                return []
+            if extract.get("backend") == "vllm":
+                per_rank = extract.get("tensor_parallel_size", 1)
+        elif stage == "extract" and extract.get("backend") == "vllm":
             per_rank = extract.get("tensor_parallel_size", 1)
         elif stage == "evaluate":  # vLLM at the run's TP size, target and draft on every GPU
             per_rank = (cfg.get("evaluate") or {}).get("tensor_parallel_size") or extract.get("tensor_parallel_size", 1)

@@ -181,6 +181,9 @@ class ExtractConfig(Table):
     layer_ids: Annotated[tuple[int, ...] | None, BeforeValidator(_layer_ids)] = None
     tensor_parallel_size: int = Field(1, ge=1)
     batch_size: int = Field(8, ge=1)
+    # The preflight stage runs a shrunken, dummy-weight copy of this extraction first
+    # (workers/canary/): the same backend, worker extension, TP size and model class.
+    canary: bool = True
 
 
 class ResourcesConfig(Table):

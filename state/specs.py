@@ -180,9 +180,10 @@ STAGES: dict[str, StageSpec] = {
         StageSpec(
             "preflight",
             "eyas.workers.stages.preflight:main",
-            "check versions, target, adapter, tokenizer and resources",
+            "check versions, target, adapter, tokenizer and resources; run the extraction's canary",
             distributed=False,
-            gpus=False,
+            # The canary's engine takes the extraction's GPUs (daemon/scheduler.py: _devices_for).
+            gpus=True,
         ),
         StageSpec(
             "prepare",

@@ -132,6 +132,15 @@ def diagnose(path: str, output_dir: str | None = None) -> list[Check]:
     return checks + run_checks(cfg, out, written_ids, defaulted)
 
 
+def canary_check(path: str, before: list[Check]) -> Check:
+    from eyas.workers.doctor import canary
+
+    cfg, _, _, _ = load_config(path)
+    if cfg is None:
+        return canary.check_without_config()
+    return canary.check(cfg, cfg.output_dir or default_output_dir(), before)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="eyas doctor",
@@ -139,10 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("config", help="the run's TOML file")
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
+    parser.add_argument(
+        "--canary",
+        action="store_true",
+        help="also run the extraction's canary: the run's engine and worker extension on a shrunken, "
+        "dummy-weight copy of the target (tens of seconds)",
+    )
     args = parser.parse_args(argv)
     t0 = time.monotonic()
     _quiet()
     checks = diagnose(args.config)
+    if args.canary:
+        checks.append(canary_check(args.config, checks))
     if args.json:
         print(check.dumps(checks, config=os.path.abspath(args.config), seconds=round(time.monotonic() - t0, 3)))
     else:

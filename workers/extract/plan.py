@@ -37,7 +37,12 @@ class Settings:
 
     @classmethod
     def from_context(cls, ctx) -> Settings:
-        cfg = ctx.config or {}
+        return cls.from_config(ctx.config or {}, ctx.options or {}, ctx.output_dir, ctx.stage_dir)
+
+    @classmethod
+    def from_config(cls, cfg: dict, options: dict, output_dir: Path, out_dir: Path) -> Settings:
+        """The settings of an extraction of the run `cfg` (its dict form) with [stages.extract]
+        `options`, reading <output_dir>/prepare/dataset and writing under `out_dir`."""
         target = cfg.get("target")
         if not target:
             raise ValueError(
@@ -50,7 +55,7 @@ class Settings:
         ex = ExtractConfig.model_validate(cfg.get("extract") or {})
         devices = ResourcesConfig.model_validate(cfg.get("resources") or {}).devices
         # Checked when the run was submitted (state/specs.py: ExtractOptions).
-        options = stage_options("extract", ctx.options or {})
+        extract_options = stage_options("extract", options)
         return cls(
             target_path=target.path,
             dtype=target.dtype,
@@ -58,12 +63,12 @@ class Settings:
             layer_ids=ex.layer_ids,
             batch_size=ex.batch_size,
             device=_device(devices),
-            dataset_dir=ctx.output_dir / "prepare" / "dataset",
-            out_dir=ctx.stage_dir,
+            dataset_dir=output_dir / "prepare" / "dataset",
+            out_dir=out_dir,
             backend=ex.backend,
             tensor_parallel_size=ex.tensor_parallel_size,
-            vllm_options=options.vllm,
-            worker_extension=options.worker_extension,
+            vllm_options=extract_options.vllm,
+            worker_extension=extract_options.worker_extension,
         )
 
 

@@ -56,6 +56,15 @@ class _RemoteCode:
         self.arch = arch
 
     def from_pretrained(self, path, **kwargs):
+        return self._first(
+            f"{path}: no transformers auto class loads", lambda auto: auto.from_pretrained(path, **kwargs)
+        )
+
+    def random(self, config, **kwargs):
+        """The same auto classes, built from `config` with random weights."""
+        return self._first("no transformers auto class builds", lambda auto: auto.from_config(config, **kwargs))
+
+    def _first(self, failure: str, build):
         import transformers
 
         errors = []
@@ -65,14 +74,31 @@ class _RemoteCode:
             transformers.AutoModel,
         ):
             try:
-                return auto.from_pretrained(path, **kwargs)
+                return build(auto)
             except ValueError as exc:  # "Unrecognized configuration class ... for this kind of AutoModel"
                 errors.append(f"{auto.__name__}: {exc}")
-        raise ValueError(f"{path}: no transformers auto class loads {self.arch} ({'; '.join(errors)})")
+        raise ValueError(f"{failure} {self.arch} ({'; '.join(errors)})")
 
 
-def load(path: str, dtype: str, trust_remote_code: bool = False, device: str = "cpu") -> Target:
-    """Load the target for inference: weights in `dtype` on `device`, eval mode."""
+def _random(cls, path: str, kwargs: dict[str, Any]):
+    """The model of `path` with random weights: its config.json read as from_pretrained reads
+    it, no weight file opened (the canary's dummy weights, canary/run.py)."""
+    import transformers
+
+    trust = bool(kwargs.get("trust_remote_code"))
+    config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust)
+    if isinstance(cls, _RemoteCode):
+        model = cls.random(config, dtype=kwargs["dtype"], trust_remote_code=trust)
+    else:
+        model = cls._from_config(config, dtype=kwargs["dtype"])
+    return model.to(kwargs["device_map"]) if "device_map" in kwargs else model
+
+
+def load(
+    path: str, dtype: str, trust_remote_code: bool = False, device: str = "cpu", random_weights: bool = False
+) -> Target:
+    """Load the target for inference: weights in `dtype` on `device`, eval mode (random weights
+    of the same shapes with `random_weights`, for the canary)."""
     import torch
 
     arch, adapter, model_cfg = check(path)
@@ -82,7 +108,7 @@ def load(path: str, dtype: str, trust_remote_code: bool = False, device: str = "
         kwargs["trust_remote_code"] = True
     if device != "cpu":
         kwargs["device_map"] = device
-    model = cls.from_pretrained(path, **kwargs)
+    model = _random(cls, path, kwargs) if random_weights else cls.from_pretrained(path, **kwargs)
     model.eval()
     decoder = adapter.decoder(model)
     log.info(

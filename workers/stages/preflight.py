@@ -5,11 +5,18 @@ Config validation puts it first in every pipeline that reads the target (state/r
 on the run's resolved config and output folder, logs the table, writes the report as the
 stage's summary.json, and raises on any failed check, naming each with its fix, so the run
 stops before any rank group loads a weight.
+
+When the checks pass and the run extracts (`extract.canary`, on by default), it then runs the
+canary (workers/canary/run.py): the run's own extraction path on a shrunken, dummy-weight copy
+of the target, in this rank, with the run's TP workers under the daemon like the extract
+stage's. A failure there (a worker's exception, a wrong capture) fails the preflight with the
+worker's own error as the root cause, before the real engine starts loading the target.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from eyas.state import contract
 from eyas.state.runconfig import RunConfig
@@ -34,6 +41,16 @@ def main(ctx) -> None:
     checks = run_checks(cfg, output_dir)
     for line in doctor_check.table(checks):
         log.info("%s", line)
-    atomic.write_json(ctx.attempt_dir / contract.SUMMARY, doctor_check.as_json(checks))
+    summary = doctor_check.as_json(checks)
+    atomic.write_json(ctx.attempt_dir / contract.SUMMARY, summary)
     if doctor_check.exit_code(checks):
         raise PreflightFailed(doctor_check.failures_line(checks))
+    if wants_canary(cfg):
+        from eyas.workers.canary import run as canary
+
+        report = canary.run(cfg, Path(output_dir), ctx.attempt_dir / "canary", progress=ctx.progress)
+        atomic.write_json(ctx.attempt_dir / contract.SUMMARY, {**summary, "canary": report})
+
+
+def wants_canary(cfg: RunConfig) -> bool:
+    return "extract" in cfg.pipeline and cfg.extract.canary

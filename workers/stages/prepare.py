@@ -211,7 +211,7 @@ def build(cfg: RunConfig, dataset_dir: Path, progress=None) -> tuple[dict[str, A
             break
         rows_in += 1
         try:
-            ids, mask, method, cut = _encode(raw, data, vocab, renderer, target.path)
+            ids, mask, method, cut = encode_row(raw, data, vocab, renderer, target.path)
         except RowError as err:
             skips.add(raw.where, err)
         else:
@@ -268,7 +268,7 @@ def build(cfg: RunConfig, dataset_dir: Path, progress=None) -> tuple[dict[str, A
     return summary, rows.freq, splits
 
 
-def _encode(
+def encode_row(
     raw: RawRow, data: DataConfig, vocab: int, renderer, target_path: str
 ) -> tuple[list[int], list[int], str, bool]:
     """One row as (input_ids, loss_mask, mask method, truncated?); RowError when it is skipped."""

@@ -43,6 +43,17 @@ def test_each_stage_claims_what_it_runs_on(stage, world, expected):
     assert _core(8)._devices_for(CFG, stage, world) == expected
 
 
+def test_preflight_claims_the_extractions_gpus_for_its_canary():
+    run = {**CFG, "pipeline": ["preflight", "prepare", "extract"]}
+    assert _core(8)._devices_for(run, "preflight", 1) == [0, 1, 2, 3]  # the canary's engine at TP 4
+    hf = {**run, "extract": {"backend": "hf", "tensor_parallel_size": 1}}
+    assert _core(8)._devices_for(hf, "preflight", 1) == [0]
+    off = {**run, "extract": {**CFG["extract"], "canary": False}}
+    assert _core(8)._devices_for(off, "preflight", 1) == []  # checks only: no GPU held
+    assert _core(8, held={7: [0, 1, 2, 3, 4, 5]})._devices_for(run, "preflight", 1) is None  # waits for them
+    assert _core(8)._devices_for({**run, "resources": {"devices": "cpu"}}, "preflight", 1) == []
+
+
 def test_cpu_stages_start_while_another_run_holds_every_gpu():
     core = _core(2, held={7: [0, 1]})
     assert core._devices_for(CFG, "preflight", 1) == []
