@@ -1,0 +1,369 @@
+"""`eyas init TARGET_DIR --data FILE [--gpus N] [--gpu-memory GB] [-o OUT.toml]`: write a commented run config for a target that `eyas validate` accepts, each choice explained beside its key, never over an existing file.
+
+It reads what the doctor reads, with json and the stdlib (eyas.workers.doctor.target: config.json
+and the safetensors index; resources.probe_gpus: NVML), and never an engine: the CLI loads no
+torch. The decisions are cli/initplan.py's arithmetic; the defaults it does not decide are the run
+config's own (state/runconfig.py), read from its models rather than repeated here.
+
+--data is required: prepare reads it and `eyas validate` checks that it exists, so a placeholder
+would make a file that fails validation. The config is validated before it is written; a
+rejected one is not written at all.
+
+Exit status: 0 written; 1 refused (the file exists, the target fits no GPU count given); 2 bad
+input (no target, no data, a config that would not validate).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from eyas.cli import initplan
+from eyas.state import runconfig
+from eyas.state.specs import DEFAULT_PIPELINE
+from eyas.state.target import default_layer_ids, text_value
+from eyas.workers.doctor.check import human_bytes
+
+COLUMN = 36  # inline comments start here, as in workers/examples/*.toml
+WIDTH = 110  # of a line, comments included
+
+
+class InitError(Exception):
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+# The checks `eyas doctor` runs on a config of the full pipeline, by the labels it prints
+# ("group: name" of a passing run; workers/doctor/main.py: run_checks, in its order), with what
+# each looks at. The versions' names are versions.PACKAGES; tests/integration/cli/test_init.py
+# holds the rest to what the doctor prints for a file init wrote.
+DOCTOR_CHECKS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("data", ("rows",), "each file prepare reads: encoding, binary, over-long rows, the first rows parse"),
+    ("target", ("config.json", "weights", "trust_remote_code"), "shape, safetensors index and shards, custom code"),
+    ("layer ids", ("layer ids",), "the ids against the target's depth"),
+    ("resources", ("gpus", "memory", "disk", "output dir"), "weights ÷ TP + margin per GPU, hidden states' disk"),
+    ("tokenizer", ("load", "assistant mask"), "the chat template's assistant-only mask on a two-turn probe"),
+    ("adapter", ("architecture", "decoder", "embedding", "layer forward"), "the backend's classes, read from source"),
+)
+
+
+def _toml(value: Any) -> str:
+    """A TOML literal for the values init writes (JSON's string escapes are TOML's too)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    raise TypeError(f"no TOML literal for {value!r}")
+
+
+def _comment(text: str) -> list[str]:
+    # Not at hyphens: "--gpu-memory" must stay whole.
+    return textwrap.wrap(text, WIDTH, initial_indent="# ", subsequent_indent="# ", break_on_hyphens=False)
+
+
+def _key(key: str, value: Any, why: str = "") -> list[str]:
+    """`key = value`, its reason inline when it fits on the line, else on comment lines above."""
+    line = f"{key} = {_toml(value)}"
+    if not why:
+        return [line]
+    inline = f"{line.ljust(COLUMN)}# {why}"
+    if len(line) < COLUMN and len(inline) <= WIDTH:
+        return [inline]
+    return [*_comment(why), line]
+
+
+def run_name(target: Path) -> str:
+    """The run's name: the target folder's and "-eagle3", in the letters a run name may hold."""
+    base = re.sub(r"[^A-Za-z0-9._-]+", "-", target.name).strip("-.") or "target"
+    return f"{base[:73]}-eagle3"
+
+
+def _read_target(path: Path):
+    from eyas.workers.doctor import target
+
+    if not path.is_dir():
+        raise InitError(2, f"{path} is not a directory; give the target model's folder (the one with config.json)")
+    facts, checks = target.read(str(path))
+    if facts is None:
+        bad = checks[0]
+        raise InitError(2, f"{bad.detail}; {bad.fix}")
+    if facts.num_layers is None:
+        raise InitError(
+            2,
+            f"{path}/config.json has no num_hidden_layers (nor text_config.num_hidden_layers); eyas init needs the depth",
+        )
+    return facts, target.remote_code(facts, False)
+
+
+def _gpus(args) -> tuple[int, int | None, str]:
+    """(GPUs, bytes of memory per GPU or None, where those figures come from)."""
+    memory = int(args.gpu_memory * 1e9) if args.gpu_memory is not None else None
+    if args.gpus == 0:
+        return 0, None, "--gpus 0: CPU mode"
+    if args.gpus is not None and memory is not None:
+        return args.gpus, memory, f"--gpus {args.gpus} of --gpu-memory {human_bytes(memory)}"
+    from eyas.workers.doctor.resources import probe_gpus
+
+    found = probe_gpus()
+    devices = found.devices if found.available else []
+    count = args.gpus if args.gpus is not None else len(devices)
+    if count == 0:
+        if memory is not None:
+            raise InitError(2, "--gpu-memory without GPUs: no GPU is visible here; add --gpus N for the run's host")
+        # GpuProbe's reason ends in what it means for the daemon's metrics, which is not news here.
+        why = (found.why or "NVML lists none").partition("): GPU metrics off")[0].removeprefix("no NVML (")
+        return 0, None, f"no GPU visible ({why}): CPU mode; --gpus N --gpu-memory GB writes a config for a GPU host"
+    if memory is None:
+        if not devices:
+            raise InitError(
+                2,
+                f"--gpus {count}: no GPU is visible here to read its memory from ({found.why or 'NVML lists none'}); "
+                "add --gpu-memory GB (each GPU's memory)",
+            )
+        # The smallest, since a shard must fit whichever GPU it lands on; the total, not the free
+        # memory, since this sizes the run for the host (doctor checks the free memory before it).
+        small = min(devices, key=lambda d: d["mem_total"])
+        memory = small["mem_total"]
+        where = f"the smallest: GPU {small['index']}, {small['name']}"
+    else:
+        where = "--gpu-memory"
+    counted = "--gpus" if args.gpus is not None else "NVML"
+    return count, memory, f"{count} GPU{'s' if count != 1 else ''} ({counted}), {human_bytes(memory)} each ({where})"
+
+
+def _data_tokens(path: Path) -> int | None:
+    """The data's tokens, estimated as the doctor estimates them (bytes ÷ BYTES_PER_TOKEN, which
+    errs high), or None when the path holds no data file."""
+    from eyas.workers.data.reader import DataError, data_files
+    from eyas.workers.doctor.resources import BYTES_PER_TOKEN
+
+    try:
+        files = data_files(path)
+    except DataError:
+        return None
+    return sum(f.stat().st_size for f in files) // BYTES_PER_TOKEN
+
+
+def _dtype(cfg: dict) -> tuple[str, str]:
+    written = text_value(cfg, "torch_dtype") or text_value(cfg, "dtype")
+    if written in runconfig.DTYPES:
+        return written, f"the checkpoint's own dtype (config.json: {written})"
+    found = f"config.json names {written!r}" if written else "config.json names none"
+    return "bfloat16", f"{found}; bfloat16, what current GPUs compute in"
+
+
+def render(args, facts, remote, gpus: int, gpu_memory: int | None, gpu_source: str, out: Path) -> str:
+    """The config's text. Raises initplan.NoFit when the target fits no TP the GPUs allow."""
+    from eyas.workers.doctor.target import INDEX, SINGLE, explain_layer_ids
+    from eyas.workers.doctor.versions import PACKAGES
+
+    cfg, n = facts.config, facts.num_layers
+    heads = text_value(cfg, "num_attention_heads")
+    heads = heads if isinstance(heads, int) and heads > 0 else None
+    plan = initplan.place(facts.weight_bytes, gpus, gpu_memory, heads)
+    ids = list(default_layer_ids(n))
+    dtype, dtype_why = _dtype(cfg)
+    width = {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
+    data_path = Path(args.data).expanduser().absolute()
+    defaults_data = runconfig.DataConfig.model_fields
+    train, evaluate, draft = runconfig.TrainConfig(), runconfig.EvaluateConfig(), runconfig.DraftConfig()
+    max_length = defaults_data["max_length"].default
+    positions = text_value(cfg, "max_position_embeddings")
+    length_why = "tokens per sample after truncation (hidden-state disk grows with it)"
+    if isinstance(positions, int) and 16 <= positions < max_length:
+        max_length, length_why = positions, f"the target's max_position_embeddings; {length_why}"
+    fraction = defaults_data["validation_fraction"].default
+    ranks = max(plan.gpus, 1)
+    tokens = _data_tokens(data_path)
+    per_token = len(ids) * (facts.hidden_size or 0) * width + 8  # + the int64 token id, as the doctor counts
+
+    weights = (
+        f"{human_bytes(facts.weight_bytes)} of weights ({INDEX if (Path(facts.path) / INDEX).exists() else SINGLE})"
+        if facts.weight_bytes
+        else "weights' size unknown (no safetensors index)"
+    )
+    text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else None
+    shape = f"{facts.architecture or '?'} ({cfg.get('model_type') or 'no model_type'}" + (
+        f", text model {text_cfg.get('model_type')})" if text_cfg and text_cfg.get("model_type") else ")"
+    )
+    lines = [
+        f"# An EAGLE-3 draft for {Path(facts.path).name}, written by `eyas init`; every choice is explained beside its key.",
+        *_comment(
+            f"Target: {shape}: {n} layers, hidden {facts.hidden_size or '?'}, vocabulary {facts.vocab_size or '?'}, "
+            f"{weights}."
+        ),
+        *_comment(f"GPUs: {gpu_source}."),
+        "#",
+        f"# Check it:  eyas validate {out.name}",
+        f"#            eyas doctor {out.name}      (--canary also runs the extraction's canary now)",
+        f"# Run it:    eyas submit {out.name} --follow",
+        "#",
+        "# eyas doctor checks, in this order (the preflight stage runs them before any other stage):",
+        f"#   versions: {', '.join(PACKAGES)} (installed, against the supported matrix)",
+    ]
+    for group, names, what in DOCTOR_CHECKS:
+        listed = group if names == (group,) else f"{group}: {', '.join(names)}"
+        lines.append(f"#   {listed} ({what})")
+    canary = (
+        f"then the canary (extract.canary): the {plan.backend} backend at tensor parallel {plan.tp} on a "
+        "shrunken, dummy-weight copy of the target, over two batches of this data; its captures are checked"
+    )
+    lines += textwrap.wrap(canary, WIDTH, initial_indent="#   ", subsequent_indent="#     ")
+    lines += ["", *_key("name", run_name(Path(facts.path)))]
+    disk = (
+        f"The hidden states take {len(ids)} ids × {facts.hidden_size} × {width} B + 8 B = {human_bytes(per_token)} a "
+        f"token" + (f": ~{human_bytes(per_token * tokens)} for this data (~{tokens} tokens)" if tokens else "")
+        if facts.hidden_size
+        else "The hidden states take layer ids × hidden_size × dtype bytes a token"
+    )
+    lines += _comment(
+        f"output_dir is left out: the daemon writes under <state>/runs/<id>/out. {disk}; "
+        "set output_dir to a folder on a disk with that room."
+    )
+    lines += _key(
+        "pipeline", list(DEFAULT_PIPELINE), "preflight (the checks above) runs first; preflight = false drops it"
+    )
+
+    lines += ["", "[target]", *_key("path", str(Path(facts.path).absolute())), *_key("dtype", dtype, dtype_why)]
+    if remote.data.get("auto_map"):
+        files = ", ".join(remote.data.get("files", []))
+        why = f"config.json's auto_map names custom code ({files}): read it first, it runs in every rank"
+        lines += _key("trust_remote_code", True, why)
+    else:
+        lines += _key("trust_remote_code", False, "no auto_map: transformers' and vLLM's own classes")
+
+    lines += ["", "[data]", *_key("path", str(data_path), "--data")]
+    lines += _key("format", "auto", "sharegpt, openai messages or tokenized rows, per file")
+    lines += _key("max_length", max_length, length_why)
+    lines += _key("validation_fraction", fraction, "held out: validation loss each epoch, evaluate's prompts")
+
+    lines += ["", "[extract]", *_comment(f"{plan.why}.")]
+    lines += _key("backend", plan.backend, "vLLM, sharded" if plan.backend == "vllm" else "transformers")
+    lines += _key("tensor_parallel_size", plan.tp, "vLLM's shards" if plan.tp > 1 else "one whole model per rank")
+    lines += _comment(
+        f"EAGLE-3's low, middle and high layers [2, N//2, N-3] and the final output N, for N = {n}: "
+        f"{explain_layer_ids(ids, n)}."
+    )
+    lines += _key("layer_ids", ids)
+    lines += _key("batch_size", runconfig.ExtractConfig().batch_size, "samples per forward")
+
+    lines += ["", "[resources]"]
+    if plan.gpus:
+        lines += _key("ranks", plan.gpus, "one training rank per GPU (DDP)")
+        lines += _key("devices", list(range(plan.gpus)), f"the {plan.gpus} GPUs counted above")
+    else:
+        lines += _key("ranks", 1, "one rank: on CPU each rank holds a whole copy of the target")
+        lines += _key("devices", "cpu", "no GPU: see the GPUs line at the top")
+
+    vocab = initplan.draft_vocab(facts.vocab_size)
+    vocab_why = (
+        f"the target's whole vocabulary: it has only {facts.vocab_size} tokens"
+        if facts.vocab_size is not None and vocab == facts.vocab_size
+        else f"the {vocab} most frequent of the target's {facts.vocab_size or '?'} tokens (vocab stage)"
+    )
+    lines += ["", "[draft]", *_key("vocab_size", vocab, vocab_why)]
+    lines += _key("num_layers", draft.num_layers, "one decoder layer, EAGLE-3's usual head")
+    lines += _key("ttt_steps", draft.ttt_steps, "train this many steps ahead (test-time training)")
+
+    lines += ["", "[train]", *_key("epochs", train.epochs, "passes over the data, as in the examples")]
+    lines += _key("lr", train.lr, "AdamW, then decay; eyas's and speculators' default for EAGLE-3 heads")
+    lines += _key("batch_tokens", train.batch_tokens, "samples packed up to this many tokens per rank and step")
+    if tokens:
+        sched = initplan.schedule(tokens, train.epochs, train.batch_tokens, ranks, fraction)
+        warmup, warmup_why = (
+            sched.warmup_steps,
+            f"{initplan.WARMUP_FRACTION:.0%} of ~{sched.total_steps} steps: {train.epochs} epochs × "
+            f"~{sched.steps_per_epoch} (~{tokens} tokens less {fraction:.0%} held out ÷ "
+            f"({train.batch_tokens} tokens × {ranks} rank{'s' if ranks != 1 else ''}))",
+        )
+    else:
+        warmup, warmup_why = train.warmup_steps, "no data file to count steps from: no warmup"
+    lines += _key("warmup_steps", warmup, warmup_why)
+    lines += _key("grad_clip", train.grad_clip, "the gradient norm's bound")
+    lines += _key("seed", train.seed, "data order, validation split and initial weights")
+    lines += _key("strategy", train.strategy, "DDP: a 1-layer draft fits each rank whole")
+
+    lines += ["", "[evaluate]"]
+    lines += _comment(
+        "The trained draft as the target's EAGLE-3 speculator in vLLM, beside the untrained one and the "
+        f"target alone; greedy outputs must match. tensor_parallel_size is left out: extract's ({plan.tp})."
+    )
+    lines += _key("num_speculative_tokens", evaluate.num_speculative_tokens, "k: draft tokens per target forward")
+    lines += _key("max_tokens", evaluate.max_tokens, "greedy tokens per prompt")
+    lines += _key("max_prompts", evaluate.max_prompts, "of the validation rows")
+    lines += _key("batch_size", evaluate.batch_size, "sequences vLLM runs at once")
+    if plan.backend == "vllm" and plan.gpus > 1:
+        lines += ["", "[stages.extract]"]
+        lines += _key("ranks", 1, f"the vllm backend is one driver rank; vLLM starts the {plan.tp} TP workers")
+    return "\n".join(lines) + "\n"
+
+
+def _check(text: str, out: Path) -> None:
+    """The file as `eyas validate` would read it from `out`."""
+    try:
+        runconfig.validate(tomllib.loads(text), out.absolute().parent, str(out))
+    except runconfig.ConfigError as exc:
+        raise InitError(2, f"{out} not written: it would not pass eyas validate:\n" + "\n".join(exc.errors)) from None
+
+
+def _write(text: str, out: Path) -> None:
+    """Create `out` with `text`; never over an existing file (O_EXCL, so not even in a race)."""
+    try:
+        f = open(out, "x", encoding="utf-8")
+    except FileExistsError:
+        raise _exists(out) from None
+    except OSError as exc:
+        raise InitError(2, f"cannot create {out} ({exc.strerror or exc}); choose another path with -o") from None
+    try:
+        with f:
+            f.write(text)
+    except BaseException:
+        os.unlink(out)  # ours, half written
+        raise
+
+
+def _exists(out: Path) -> InitError:
+    return InitError(1, f"{out} exists; not overwritten. Write elsewhere with -o NEW.toml, or remove {out} first")
+
+
+def command(args) -> int:
+    try:
+        if (args.gpus is not None and args.gpus < 0) or (args.gpu_memory is not None and args.gpu_memory <= 0):
+            raise InitError(2, "--gpus takes 0 or more GPUs, --gpu-memory a positive number of GB")
+        target = Path(args.target).expanduser().absolute()
+        out = Path(args.output) if args.output else Path(f"{run_name(target)}.toml")
+        if out.exists():
+            raise _exists(out)
+        facts, remote = _read_target(target)
+        gpus, gpu_memory, source = _gpus(args)
+        if gpus and facts.weight_bytes is None:
+            raise InitError(
+                2,
+                f"no model.safetensors.index.json nor model.safetensors in {target}: the weights' size "
+                "sizes the tensor parallelism; use a safetensors checkpoint (or --gpus 0 for CPU)",
+            )
+        try:
+            text = render(args, facts, remote, gpus, gpu_memory, source, out)
+        except initplan.NoFit as exc:
+            raise InitError(
+                1, f"{exc}; no file written. Run on more or larger GPUs (--gpus N --gpu-memory GB describe them)"
+            ) from None
+        _check(text, out)
+        _write(text, out)
+    except InitError as exc:
+        print(f"eyas init: {exc}", file=sys.stderr)
+        return exc.code
+    print(f"wrote {out}: {source}")
+    print(f"next: eyas validate {out}; eyas doctor {out}; eyas submit {out} --follow")
+    return 0

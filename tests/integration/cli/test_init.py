@@ -1,0 +1,257 @@
+"""`eyas init`: the real command on the demo's tiny DeepSeek-V3, a Kimi-K2.5-shaped and a
+Llama-shaped checkpoint (config.json and a safetensors index, tests/support/doctor_models.py),
+GPUs from a fake NVML file or --gpus/--gpu-memory; each file it writes passes the real
+`eyas validate`, and `eyas doctor` on one prints the checks its header lists."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from doctor_models import EYAS, H200, make_model, tokenizer_files  # noqa: F401 (tokenizer_files: fixture)
+
+from eyas.cli import init, initplan
+from eyas.workers.models import assets
+
+GB = 10**9
+H100 = 85_520_809_984  # what NVML reports for an "80 GB" H100 (81559 MiB)
+
+
+def _env(tmp_path: Path, nvml: dict | None) -> dict[str, str]:
+    """The command's environment: a private state folder and a fake NVML (None: no driver)."""
+    fake = tmp_path / "nvml.json"
+    fake.write_text(json.dumps(nvml if nvml is not None else {"error": "LibraryNotFound"}))
+    return {**os.environ, "EYAS_HOME": str(tmp_path / "home"), "EYAS_FAKE_NVML": str(fake)}
+
+
+def _gpus(n: int, total: int) -> dict:
+    return {"devices": [{"name": "NVIDIA H100 80GB HBM3", "mem_total": total, "mem_used": 0}] * n}
+
+
+def eyas(*argv: str, env: dict, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([EYAS, *argv], capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
+
+
+def init_and_validate(tmp_path: Path, target: Path, *flags: str, nvml: dict | None = None) -> dict:
+    """`eyas init` into tmp_path/run.toml, then the real `eyas validate` on it; the file as TOML."""
+    env = _env(tmp_path, nvml)
+    made = eyas(
+        "init", str(target), "--data", str(tmp_path / "chat.jsonl"), "-o", "run.toml", *flags, env=env, cwd=tmp_path
+    )
+    assert made.returncode == 0, made.stderr
+    checked = eyas("validate", "run.toml", env=env, cwd=tmp_path)
+    assert checked.returncode == 0, checked.stderr
+    assert checked.stdout.startswith("run.toml: valid")
+    return tomllib.loads((tmp_path / "run.toml").read_text())
+
+
+def model_facts(target: Path) -> tuple[int, int, int | None]:
+    """(num_hidden_layers, vocab_size, weight bytes) as the checkpoint's own files give them."""
+    cfg = json.loads((target / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    index = target / "model.safetensors.index.json"
+    weights = json.loads(index.read_text())["metadata"]["total_size"] if index.exists() else None
+    return text["num_hidden_layers"], text["vocab_size"], weights
+
+
+def eagle3_ids(n: int) -> list[int]:
+    """EAGLE-3's low, middle and high layers and the final output, for a target deep enough that
+    none of them collide."""
+    return [2, n // 2, n - 3, n]
+
+
+def smallest_fitting_tp(weights: int, gpus: int, memory: int) -> int | None:
+    """The definition init implements: the smallest power of two up to `gpus` whose shard plus
+    the margin fits vLLM's 0.9 of one GPU."""
+    t = 1
+    while t <= gpus:
+        if math.ceil(weights / t) + initplan.MARGIN <= initplan.GPU_MEMORY_UTILIZATION * memory:
+            return t
+        t *= 2
+    return None
+
+
+def write_chats(root: Path) -> Path:
+    return assets.write_dataset(root / "chat.jsonl", n=60, malformed=False)
+
+
+@pytest.fixture(scope="module")
+def demo_target(tmp_path_factory) -> Path:
+    """The demo's tiny DeepSeek-V3 (random weights, a model.safetensors of its own)."""
+    return assets.build_model(tmp_path_factory.mktemp("demo") / "tiny-deepseek", "deepseek_v3")
+
+
+def test_demo_target_without_gpus_is_a_cpu_run_on_the_hf_backend(tmp_path, demo_target):
+    write_chats(tmp_path)
+    run = init_and_validate(tmp_path, demo_target)
+    n, vocab, _ = model_facts(demo_target)
+    assert run["extract"]["layer_ids"] == eagle3_ids(n)
+    assert (run["extract"]["backend"], run["extract"]["tensor_parallel_size"]) == ("hf", 1)
+    assert run["resources"] == {"ranks": 1, "devices": "cpu"}
+    assert run["draft"]["vocab_size"] == min(initplan.DRAFT_VOCAB, vocab)
+    assert run["target"]["path"] == str(demo_target)
+    assert run["data"]["path"] == str(tmp_path / "chat.jsonl")
+    # The checkpoint's own dtype: the demo's target is saved in float32.
+    assert run["target"]["dtype"] == json.loads((demo_target / "config.json").read_text())["dtype"]
+    assert "stages" not in run  # one hf rank: nothing to override
+
+
+@pytest.mark.parametrize(
+    ("total_size", "flags", "nvml"),
+    [
+        # Kimi-K2.5 as published (595 GB): eight H100s as NVML reports them.
+        (None, (), _gpus(8, H100)),
+        # --gpus / --gpu-memory describe another host: 547 GB on 8 × 80 GB, 595 GB on 8 H200s.
+        (547 * GB, ("--gpus", "8", "--gpu-memory", "80"), None),
+        (None, ("--gpus", "8", "--gpu-memory", str(H200 / GB)), None),
+    ],
+    ids=["nvml-h100", "547GB-80GB", "h200"],
+)
+def test_kimi_shaped_target_on_eight_gpus_is_sharded_with_vllm(tmp_path, total_size, flags, nvml):
+    target = make_model(tmp_path, "kimi", _empty(tmp_path), total_size=total_size)
+    write_chats(tmp_path)
+    run = init_and_validate(tmp_path, target, *flags, nvml=nvml)
+    n, vocab, weights = model_facts(target)
+    memory = H100 if nvml else int(float(flags[-1]) * GB)
+    tp = smallest_fitting_tp(weights, 8, memory)
+    assert tp is not None and tp > 1
+    assert run["extract"] == {
+        "backend": "vllm",
+        "tensor_parallel_size": tp,
+        "layer_ids": eagle3_ids(n),
+        "batch_size": 8,
+    }
+    assert run["resources"] == {"ranks": 8, "devices": list(range(8))}
+    assert run["stages"] == {"extract": {"ranks": 1}}  # the vllm backend is one driver rank
+    assert run["draft"]["vocab_size"] == min(initplan.DRAFT_VOCAB, vocab)
+    assert run["target"]["trust_remote_code"] is True  # its auto_map names its own code
+    text = (tmp_path / "run.toml").read_text()
+    # The reason beside the key, with the figures it rests on.
+    assert f"# tp {tp}: {weights / GB:.2f} GB of weights ÷ {tp} = {math.ceil(weights / tp) / GB:.2f} GB" in text
+
+
+def test_kimi_shaped_target_that_fits_no_tp_is_refused_and_nothing_is_written(tmp_path):
+    target = make_model(tmp_path, "kimi", _empty(tmp_path))
+    write_chats(tmp_path)
+    _, _, weights = model_facts(target)
+    assert smallest_fitting_tp(weights, 8, 80 * GB) is None
+    env = _env(tmp_path, None)
+    flags = ("--gpus", "8", "--gpu-memory", "80", "-o", "run.toml")
+    out = eyas("init", str(target), "--data", "chat.jsonl", *flags, env=env, cwd=tmp_path)
+    assert out.returncode == 1
+    assert "does not fit 8 GPUs of 80.00 GB" in out.stderr and "no file written" in out.stderr
+    assert not (tmp_path / "run.toml").exists()
+
+
+@pytest.mark.parametrize(("gpus", "memory"), [(1, 24), (8, 80), (2, 16)])
+def test_llama_shaped_target(tmp_path, gpus, memory):
+    target = make_model(tmp_path, "llama", _empty(tmp_path))
+    write_chats(tmp_path)
+    run = init_and_validate(tmp_path, target, "--gpus", str(gpus), "--gpu-memory", str(memory))
+    n, vocab, weights = model_facts(target)
+    tp = smallest_fitting_tp(weights, gpus, memory * GB)
+    assert run["extract"]["tensor_parallel_size"] == tp
+    assert run["extract"]["backend"] == ("hf" if tp == 1 else "vllm")
+    assert run["extract"]["layer_ids"] == eagle3_ids(n)
+    assert run["resources"] == {"ranks": gpus, "devices": list(range(gpus))}
+    assert run["draft"]["vocab_size"] == min(initplan.DRAFT_VOCAB, vocab)
+    assert run["target"]["trust_remote_code"] is False
+    # The warmup: a fraction of the steps the data's estimated tokens make.
+    tokens = (tmp_path / "chat.jsonl").stat().st_size // 4
+    steps = initplan.schedule(tokens, run["train"]["epochs"], run["train"]["batch_tokens"], gpus, 0.05)
+    assert run["train"]["warmup_steps"] == steps.warmup_steps
+
+
+def test_a_second_init_onto_the_same_file_is_refused_and_leaves_it_unchanged(tmp_path, demo_target):
+    write_chats(tmp_path)
+    init_and_validate(tmp_path, demo_target)
+    path = tmp_path / "run.toml"
+    before, stat = path.read_bytes(), path.stat()
+    again = eyas(
+        "init", str(demo_target), "--data", "chat.jsonl", "--gpus", "0", "-o", "run.toml",
+        env=_env(tmp_path, None), cwd=tmp_path,
+    )  # fmt: skip
+    assert again.returncode == 1
+    assert again.stderr == (
+        "eyas init: run.toml exists; not overwritten. Write elsewhere with -o NEW.toml, or remove run.toml first\n"
+    )
+    assert path.read_bytes() == before and path.stat().st_mtime_ns == stat.st_mtime_ns
+
+
+def test_the_default_file_name_comes_from_the_target(tmp_path):
+    target = make_model(tmp_path, "llama", _empty(tmp_path))
+    write_chats(tmp_path)
+    env = _env(tmp_path, None)
+    made = eyas("init", str(target), "--data", "chat.jsonl", env=env, cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    assert (tmp_path / f"{target.name}-eagle3.toml").is_file()
+    assert tomllib.loads((tmp_path / f"{target.name}-eagle3.toml").read_text())["name"] == f"{target.name}-eagle3"
+
+
+def test_data_is_required_and_must_exist(tmp_path):
+    target = make_model(tmp_path, "llama", _empty(tmp_path))
+    env = _env(tmp_path, None)
+    missing = eyas("init", str(target), env=env, cwd=tmp_path)
+    assert missing.returncode == 2 and "--data" in missing.stderr
+    absent = eyas("init", str(target), "--data", "nope.jsonl", "-o", "run.toml", env=env, cwd=tmp_path)
+    assert absent.returncode == 2
+    assert f"run.toml: data.path: {tmp_path / 'nope.jsonl'} does not exist" in absent.stderr
+    assert not (tmp_path / "run.toml").exists()
+
+
+def test_gpus_without_their_memory_and_no_gpu_to_read_it_from(tmp_path):
+    target = make_model(tmp_path, "llama", _empty(tmp_path))
+    write_chats(tmp_path)
+    out = eyas("init", str(target), "--data", "chat.jsonl", "--gpus", "2", env=_env(tmp_path, None), cwd=tmp_path)
+    assert out.returncode == 2 and "add --gpu-memory GB" in out.stderr
+
+
+def test_init_loads_no_engine(tmp_path):
+    target = make_model(tmp_path, "llama", _empty(tmp_path))
+    write_chats(tmp_path)
+    code = (
+        "import sys\n"
+        "from eyas.cli.main import main\n"
+        "rc = main(sys.argv[1:])\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'vllm', 'safetensors', 'numpy') if m in sys.modules)\n"
+        "print(f'rc={rc} heavy={heavy}')\n"
+    )
+    argv = ["init", str(target), "--data", "chat.jsonl", "--gpus", "2", "--gpu-memory", "16", "-o", "run.toml"]
+    out = subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, env=_env(tmp_path, None), cwd=tmp_path
+    )
+    assert out.stdout.strip().splitlines()[-1] == "rc=0 heavy=[]", out.stderr
+
+
+def test_the_checks_listed_at_the_top_are_the_ones_eyas_doctor_runs(tmp_path, monkeypatch, tokenizer_files):
+    """init's header against the doctor itself, on a Kimi-shaped target on eight H200s."""
+    from eyas.workers.doctor import main as doctor
+    from eyas.workers.doctor.versions import PACKAGES
+
+    target = make_model(tmp_path, "kimi", tokenizer_files)
+    write_chats(tmp_path)
+    init_and_validate(tmp_path, target, nvml=_gpus(8, H200))
+    monkeypatch.setenv("EYAS_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("EYAS_FAKE_NVML", str(tmp_path / "nvml.json"))
+    checks = doctor.diagnose(str(tmp_path / "run.toml"))
+    assert [c for c in checks if c.verdict == "fail"] == []
+    listed = [f"versions: {p}" for p in PACKAGES] + [
+        group if names == (group,) else f"{group}: {name}" for group, names, _ in init.DOCTOR_CHECKS for name in names
+    ]
+    assert [c.label for c in checks] == listed
+    header = (tmp_path / "run.toml").read_text().split("\nname = ")[0]
+    for group, names, _ in init.DOCTOR_CHECKS:
+        assert (f"#   {group} (" if names == (group,) else f"#   {group}: {', '.join(names)} (") in header
+
+
+def _empty(root: Path) -> Path:
+    """No tokenizer files: init reads none (the doctor's test above gets a real one)."""
+    path = root / "no-tokenizer"
+    path.mkdir(exist_ok=True)
+    return path
