@@ -12,7 +12,7 @@ import re
 import sys
 import time
 
-from eyas.state import display, machine, paths, queries
+from eyas.state import display, liveness, machine, paths, queries
 from eyas.state.display import exit_text
 
 from . import output as out
@@ -129,6 +129,10 @@ def show(args) -> int:
         out.emit(run["stages"], STAGE_COLUMNS, "csv")
     else:
         sys.stdout.write("".join(line + "\n" for line in show_lines(run)))
+        if getattr(args, "plot", False):
+            from .metrics import show_plot
+
+            return show_plot(run)
     return 0
 
 
@@ -152,8 +156,17 @@ def _outputs(run: dict) -> list[str]:
     return found
 
 
-def show_lines(run: dict) -> list[str]:
-    state = run["state"] + (f" ({run['reason']})" if run.get("reason") else "")
+def show_lines(run: dict, now: float | None = None) -> list[str]:
+    now = time.time() if now is None else now
+    quiet_after = liveness.quiet_after()
+    reason = run.get("reason")
+    current = next((s for s in run["stages"] if s["state"] == "running" and s["attempt_list"]), None)
+    if run["state"] == "running" and current is not None:
+        # What runs now, from the stage's rows: the run's stored reason is the event that last
+        # moved it, stale once a stage runs (as the TUI's Run screen says it too).
+        a = current["attempt_list"][-1]
+        reason = f"{current['name']} attempt {a['number']} {a['state']}"
+    state = run["state"] + (f" ({reason})" if reason else "")
     header = [
         ("model", run["model"]),
         ("state", state),
@@ -174,6 +187,12 @@ def show_lines(run: dict) -> list[str]:
     lines += out.plain_table(
         ["stage", "state", "attempts", "duration", "tok/s"], cells, [False, False, True, True, True], indent="  "
     )
+    # A running attempt whose ranks are quiet or partly exited says so (state/liveness.py).
+    for s in run["stages"]:
+        a = s["attempt_list"][-1] if s["attempt_list"] else None
+        note = liveness.stage_note(a["ranks"], now, quiet_after) if a and a["state"] == "running" else ""
+        if note:
+            lines.append(f"  {s['name']} attempt {a['number']}: {note}")
 
     failures = []
     for s in run["stages"]:
@@ -194,11 +213,21 @@ def show_lines(run: dict) -> list[str]:
     lines += evaluate_lines(run)
 
     cells = []
+    # How long since each rank of a running attempt last wrote, where the daemon recorded it
+    # (older daemons did not); an ended attempt's ages would only say how old the run is.
+    wrote = any(
+        r.get("last_write") is not None
+        for s in run["stages"]
+        if s["attempt_list"] and s["attempt_list"][-1]["state"] == "running"
+        for r in s["attempt_list"][-1]["ranks"]
+    )
     for s in run["stages"]:
         if not s["attempt_list"]:
             continue
         latest = s["attempt_list"][-1]
         for r in latest["ranks"]:
+            idle = liveness.idle(r, now) if latest["state"] == "running" else None
+            quiet = " (quiet)" if liveness.is_quiet(r, now, quiet_after) else ""
             cells.append(
                 [
                     s["name"],
@@ -210,13 +239,15 @@ def show_lines(run: dict) -> list[str]:
                     display.size(r["peak_gpu_mem"]),
                     display.count(r["tok_s"]),
                 ]
+                + ([display.duration(idle) + quiet] if wrote else [])
             )
     if cells:
         lines += ["", "ranks (latest attempt of each stage):"]
         lines += out.plain_table(
-            ["stage", "attempt", "rank", "pid", "state", "exit", "peak_gpu_mem", "tok/s"],
+            ["stage", "attempt", "rank", "pid", "state", "exit", "peak_gpu_mem", "tok/s"]
+            + (["last write"] if wrote else []),
             cells,
-            [False, True, True, True, False, False, True, True],
+            [False, True, True, True, False, False, True, True] + ([True] if wrote else []),
             indent="  ",
         )
 

@@ -21,7 +21,9 @@ COMMANDS = {
     "show": "eyas.cli.history:show",
     "logs": "eyas.cli.logs:command",
     "errors": "eyas.cli.history:errors",
+    "metrics": "eyas.cli.metrics:command",
     "validate": "eyas.cli.configcheck:command",
+    "init": "eyas.cli.init:command",
     "doctor": "eyas.cli.doctor:command",
     "demo": "eyas.cli.demo:command",
     "tui": "eyas.tui.app:command",
@@ -82,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     show = sub.add_parser("show", help="one run: stages, attempts, errors, ranks, outputs")
     show.add_argument("run", type=int)
+    show.add_argument(
+        "--plot", action="store_true", help="draw the main curves (loss, accuracy, lr, tok/s, GPU memory)"
+    )
     _output_options(show)
 
     logs = sub.add_parser("logs", help="a rank's log, or all ranks merged by time")
@@ -91,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--attempt", type=int)
     logs.add_argument("-f", "--follow", action="store_true")
     logs.add_argument("--grep", help="only lines matching this regular expression")
+
+    met = sub.add_parser(
+        "metrics", help="a run's recorded series: a summary, or the samples (works without the daemon)"
+    )
+    met.add_argument("run", type=int)
+    met.add_argument("--stage", help="only this stage")
+    met.add_argument("--name", action="append", help="only this metric (repeat for more), e.g. loss")
+    met.add_argument("--points", type=int, help="each series downsampled to at most this many bucket means")
+    _output_options(met)
 
     errs = sub.add_parser("errors", help="the root cause first, then the other ranks' failures")
     errs.add_argument("run", type=int)
@@ -108,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also run the extraction's canary: the run's engine on a shrunken, dummy-weight copy of the target",
     )
+
+    ini = sub.add_parser("init", help="write a commented run config for a target, sized for the GPUs")
+    ini.add_argument("target", help="the target model's folder (config.json, safetensors)")
+    ini.add_argument("--data", required=True, help="the chats prepare reads (a .jsonl/.json file or a folder)")
+    ini.add_argument("--gpus", type=int, help="GPUs the run will have (default: those NVML sees; 0: CPU)")
+    ini.add_argument("--gpu-memory", type=float, metavar="GB", help="each GPU's memory in GB (default: NVML's)")
+    ini.add_argument("-o", "--output", metavar="OUT.toml", help="where to write (default: <target>-eagle3.toml)")
 
     sub.add_parser("demo", help="the whole pipeline on a tiny built-in target")
 

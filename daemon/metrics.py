@@ -9,7 +9,7 @@ from eyas.state import contract, store
 
 from .group import Group
 from .ranks import Rank
-from .sampler import RankRef
+from .sampler import RankRef, newest_mtime
 
 
 def _running(rank: Rank) -> bool:
@@ -36,6 +36,7 @@ def _ref(g: Group, member: Rank, progress: Path, exclude: frozenset[int] = froze
         progress,
         g.metrics_since,
         exclude=exclude,
+        log_path=member.log_path,
     )
 
 
@@ -65,17 +66,32 @@ class Metrics:
         if not refs:
             return
         result = self.sampler.sample(refs, now)
+        self._ended_writes(groups, result.writes)
         for (attempt_id, _rank), pids in result.descendants.items():
             group = self.groups.get(attempt_id)
             if group is not None:
                 group.seen.update(pids)
         attempt_of = {(g.run_id, g.stage): g.attempt_id for g in groups}
         self.stage_live.update(result.stages)
-        self._queue_metrics(result.metrics, result.ranks, {attempt_of[key]: key for key in result.stages})
+        # The last write joins the ranks' roll-up, written each second already: no extra write.
+        ranks = {key: dict(fields) for key, fields in result.ranks.items()}
+        for key, wrote in result.writes.items():
+            ranks.setdefault(key, {})["last_write"] = wrote
+        self._queue_metrics(result.metrics, ranks, {attempt_of[key]: key for key in result.stages})
         by_group: dict[tuple, list] = {}
         for row in result.metrics:
             if row["run_id"] is not None:
                 by_group.setdefault((row["run_id"], row["stage"], row["attempt"]), []).append(row)
+        # When each rank last wrote, for the live views' "last write" (the store has it too,
+        # a second later): {rank: unix time}, rank numbers as strings (JSON's keys).
+        wrote: dict[tuple, dict[str, float]] = {}
+        group_of = {g.attempt_id: g for g in groups}
+        for (attempt_id, rank), t in result.writes.items():
+            g = group_of.get(attempt_id)
+            if g is not None:
+                key = (g.run_id, g.stage, g.attempt)
+                wrote.setdefault(key, {})[str(rank)] = t
+                by_group.setdefault(key, [])
         for (run_id, stage, attempt), rows in by_group.items():
             self.publish(
                 "metric",
@@ -85,8 +101,26 @@ class Metrics:
                     "attempt": attempt,
                     "samples": rows,
                     "live": self.stage_live.get((run_id, stage)),
+                    "last_write": wrote.get((run_id, stage, attempt), {}),
                 },
             )
+
+    def _ended_writes(self, groups: list[Group], writes: dict) -> None:
+        """Add to `writes` the last write of members that ended and are sampled no more, when
+        it moved: what a rank wrote on its way out (its last lines, its final progress) lands
+        after its last sample. Each member keeps the time last sent, so an ended rank costs
+        its two stats a second and no write once its files are still."""
+        for g in groups:
+            members = [(r, g.dir / contract.rank_file(r.rank, contract.PROGRESS)) for r in g.ranks]
+            members += [(w, g.dir / contract.tp_file(k, contract.PROGRESS)) for k, w in g.workers.items()]
+            for member, progress in members:
+                key = (g.attempt_id, member.rank)
+                if key not in writes:
+                    t = newest_mtime(member.log_path, progress)
+                    if t is not None and t != member.last_write:
+                        writes[key] = t
+                if key in writes:
+                    member.last_write = writes[key]
 
     def _queue_metrics(self, rows: list[dict], ranks: dict, stages: dict) -> None:
         """Hand a sample to the store thread. Samples taken while a write waits (a held lock)

@@ -98,3 +98,4 @@ class Rank:
     tp_rank: int | None = None
     started_at: float | None = None
     ended_at: float | None = None  # a TP worker's end, as its pidfd said it
+    last_write: float | None = None  # the newest mtime of its log and progress file seen so far

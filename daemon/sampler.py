@@ -1,4 +1,5 @@
-"""The daemon's 1 Hz metrics sampler: per-rank CPU, RSS and GPU memory, progress, roll-ups.
+"""The daemon's 1 Hz metrics sampler: per-rank CPU, RSS and GPU memory, progress, when each rank
+last wrote, roll-ups.
 
 The daemon calls `Sampler.sample()` once a second with the ranks it supervises and writes
 what comes back: `metrics` rows through `state.store.insert_metrics`, the `ranks` and
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -51,6 +53,8 @@ class RankRef:
     # Processes (and their subtrees) that are measured as ranks of their own: a vLLM
     # driver's tensor-parallel workers live in its tree but are sampled apart.
     exclude: frozenset[int] = frozenset()
+    # The rank's log: with the progress file, what says when it last wrote anything.
+    log_path: Path | None = None
 
 
 @dataclass
@@ -61,6 +65,7 @@ class SampleResult:
     gpus: list[dict]  # GpuProbe.devices() snapshot
     descendants: dict[Key, list[tuple[int, float]]]  # the rank's live process tree, root included
     bad_lines: dict[Key, int] = field(default_factory=dict)  # corrupt progress lines so far, if any
+    writes: dict[Key, float] = field(default_factory=dict)  # when each rank last wrote (last_write)
 
 
 class _Series:
@@ -123,6 +128,27 @@ def _number(value: Any) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
     return None
+
+
+def last_write(ref: RankRef) -> float | None:
+    """When the rank last wrote a log line or a progress record: the newer mtime of its log and
+    progress file (None before either exists). Two stats a rank a second: the files' own
+    times, so a late sample never makes a quiet rank look busy."""
+    return newest_mtime(ref.log_path, ref.progress_path)
+
+
+def newest_mtime(*paths: Path | None) -> float | None:
+    """The newest modification time of the files that exist among `paths`; None if none does."""
+    newest = None
+    for path in paths:
+        if path is None:
+            continue
+        try:
+            t = os.stat(path).st_mtime
+        except OSError:
+            continue
+        newest = t if newest is None else max(newest, t)
+    return newest
 
 
 def _children_map() -> dict[int, list[int]]:
@@ -231,6 +257,9 @@ class Sampler:
             if key in self._peak:
                 roll["peak_gpu_mem"] = float(self._peak[key])
 
+            wrote = last_write(ref)
+            if wrote is not None:
+                res.writes[key] = wrote
             prog = self._read_progress(ref, key, row)
             if prog is not None:
                 rate = prog.tokens.rate(now)

@@ -219,12 +219,32 @@ def _m5_stuck(db: sqlite_utils.Database) -> None:
     db["attempts"].add_column("stuck_json", str)
 
 
+def _m6_last_write(db: sqlite_utils.Database) -> None:
+    """When each rank last wrote a log line or a progress record (`ranks.last_write`, a unix
+    time: the newer mtime of its log and progress file), kept by the daemon's 1 Hz sampler in
+    the roll-up it already writes, so that every reader can say how long a rank has been quiet
+    (state/liveness.py). NULL for ranks of older daemons and ranks that wrote nothing yet."""
+    db["ranks"].add_column("last_write", float)
+
+
+def _m7_metric_series(db: sqlite_utils.Database) -> None:
+    """An index that serves one rank's samples of one metric in time order, values included
+    (`metrics(run_id, stage, attempt, name, rank, time, value)`), so that the curves (the TUI's,
+    `eyas metrics`, `eyas show --plot`) are downsampled in SQL from the index alone: no table
+    lookup per sample, no sort, whatever the series' length (state/queries.py, metric_curve).
+    The older index on (run_id, stage, attempt, name, time) stays: it serves the newest sample
+    of any rank (queries.latest_metric) and the time-ordered reads across ranks."""
+    db["metrics"].create_index(["run_id", "stage", "attempt", "name", "rank", "time", "value"], if_not_exists=True)
+
+
 MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     _m1_initial,
     _m2_tp_workers,
     _m3_run_dir,
     _m4_intent,
     _m5_stuck,
+    _m6_last_write,
+    _m7_metric_series,
 ]
 LATEST = len(MIGRATIONS)
 

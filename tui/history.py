@@ -69,6 +69,26 @@ class History:
         row = queries.latest_metric(db, run_id, stage, attempt, name)
         return None if row is None else row[2]
 
+    def curves(
+        self,
+        run_id: int,
+        stage: str,
+        names: list[str],
+        *,
+        x: str = "time",
+        ranks: list[int | None] | None = None,
+        points: int = queries.CURVE_POINTS,
+    ) -> dict[str, dict[int | None, list[tuple[float, float]]]]:
+        """{name: {rank: [(x, value)]}} of a stage, downsampled in SQL (queries.stage_curves)."""
+        db = self.db
+        if db is None:
+            return {n: {} for n in names}
+        return queries.stage_curves(db, run_id, stage, names, x=x, ranks=ranks, points=points)
+
+    def metric_names(self, run_id: int, stage: str) -> list[str]:
+        db = self.db
+        return [] if db is None else queries.stage_metric_names(db, run_id, stage)
+
     def gpu_memory(self, window: float = 30.0) -> dict[int, dict[str, float]]:
         db = self.db
         return {} if db is None else queries.gpu_memory(db, self.clock() - window)

@@ -1,7 +1,7 @@
 """Live figures from the daemon's event stream, kept between redraws.
 
-The daemon's "metric" events carry a stage's live roll-up (tok/s, ETA, progress) and the
-samples of the last second; "state" events say that something moved. `Live.apply` folds a
+The daemon's "metric" events carry a stage's live roll-up (tok/s, ETA, progress), the
+samples of the last second and when each rank last wrote; "state" events say that something moved. `Live.apply` folds a
 batch of events in and says what changed, so a screen redraws only when its run did.
 """
 
@@ -37,6 +37,7 @@ class Live:
     def __init__(self) -> None:
         self.stage: dict[tuple[int, str], dict] = {}  # (run, stage) -> live roll-up
         self.samples: dict[tuple, deque] = {}  # (run, stage, attempt, rank, name) -> (t, v)
+        self.writes: dict[tuple, float] = {}  # (run, stage, attempt, rank) -> its last write
         self.received = 0
 
     def apply(self, events: list[Event]) -> Changes:
@@ -57,6 +58,8 @@ class Live:
                     self.stage.pop((run_id, d.get("stage")), None)
                     for key in [k for k in self.samples if k[:2] == (run_id, d.get("stage"))]:
                         del self.samples[key]
+                    for key in [k for k in self.writes if k[:2] == (run_id, d.get("stage"))]:
+                        del self.writes[key]
             elif ev.event == "metric":
                 run_id = d.get("run_id")
                 ch.metrics.add(run_id)
@@ -68,7 +71,21 @@ class Live:
                     if q is None:
                         q = self.samples[key] = deque(maxlen=KEEP)
                     q.append((s.get("time"), s.get("value")))
+                for rank, t in (d.get("last_write") or {}).items():
+                    if str(rank).isdigit() and isinstance(t, (int, float)):
+                        self.writes[(run_id, d.get("stage"), d.get("attempt"), int(rank))] = float(t)
         return ch
+
+    def with_writes(self, run_id: int, stage: str, attempt: int, ranks: list[dict]) -> list[dict]:
+        """The attempt's rank rows with each `last_write` brought up to the newest the daemon
+        sent: the store's lags a second behind, the Ranks screen's re-read five."""
+        out = []
+        for r in ranks:
+            t = self.writes.get((run_id, stage, attempt, r["rank"]))
+            if t is not None and (r.get("last_write") is None or t > r["last_write"]):
+                r = {**r, "last_write": t}
+            out.append(r)
+        return out
 
     def last(self, run_id: int, stage: str, attempt: int, rank: int | None, name: str) -> float | None:
         q = self.samples.get((run_id, stage, attempt, rank, name))

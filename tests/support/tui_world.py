@@ -3,7 +3,8 @@
 Four runs written through the real store API with fixed times (no daemon): a finished
 run, one that failed in training with a root cause and a secondary failure, one running
 an 8-rank GPU extraction on its second attempt (with metrics, GPU samples and rank logs),
-and a cancelled CPU run. Helpers only; the tests live in the other test_tui*.py files.
+and a cancelled CPU run; the finished and the failed run carry their train stage's
+curves (loss, accuracy, lr, tok/s, GPU memory). Helpers only; the tests live in the other test_tui*.py files.
 """
 
 from __future__ import annotations
@@ -75,8 +76,45 @@ def build(home: Path, *, fresh: bool = True) -> dict:
     ids["failed"] = _failed_run(db, home)
     ids["running"] = _running_run(db, home)
     ids["cpu"] = _cpu_run(db, home)
+    # The train stages' figures, for the curves (written last, so nothing above changes).
+    _train_metrics(db, ids["done"], every=30.0, ranks=8, epochs=3, decay=1500.0, mem=70.0)
+    _train_metrics(db, ids["failed"], every=10.0, ranks=4, epochs=0, decay=900.0, mem=74.0)
     db.conn.close()
     return ids
+
+
+def _train_metrics(db, run_id, *, every, ranks, epochs, decay, mem) -> None:
+    """What the train stage and the daemon record over the train attempt's life: rank 0's
+    figures (step, loss, accuracy per TTT step, lr; validation at step 0 and each epoch's
+    end), the stage's tok/s and each rank's GPU memory, every `every` seconds."""
+    start, end = db.execute(
+        "SELECT started_at, ended_at FROM attempts WHERE run_id = ? AND stage = 'train' ORDER BY number DESC LIMIT 1",
+        [run_id],
+    ).fetchone()
+    count = int((end - start) // every)
+    total_steps = 4 * count
+    rows = []
+
+    def row(t, name, value, rank=0):
+        rows.append(
+            {"time": t, "run_id": run_id, "stage": "train", "attempt": 1, "rank": rank, "name": name, "value": value}
+        )
+
+    for k in range(count + 1):
+        t, step = start + k * every, 4 * k
+        row(t, "step", float(step))
+        row(t, "loss", 0.9 + 5.5 * math.exp(-step / decay) + 0.05 * math.sin(k / 3))
+        for j in range(3):
+            row(t, f"acc_{j}", (1 - math.exp(-step / decay)) * (0.78 - 0.14 * j))
+        warm = min(1.0, step / 200)
+        row(t, "lr", 3e-4 * warm * 0.5 * (1 + math.cos(math.pi * step / max(1, total_steps))))
+        row(t, "tok_s", 9000.0 + 400 * math.sin(k / 7) if k else 0.0, None)
+        for r in range(ranks):
+            row(t, "gpu_mem_bytes", (mem + 0.5 * r + 2 * math.sin(k / 11 + r) + 4 * k / count) * GiB, r)
+        if k == 0 or (epochs and k % (count // epochs) == 0):
+            row(t, "val_loss", 1.0 + 5.6 * math.exp(-step / decay))
+            row(t, "val_step", float(step))
+    store.insert_metrics(db, rows)
 
 
 def _stage_run(
@@ -398,6 +436,63 @@ def _cpu_run(db, home) -> int:
     store.move_attempt(db, aid, "cancelled", "stopped by the user", now=t + 31)
     store.move_stage(db, run_id, "selftest", "cancelled", "stopped by the user", now=t + 31)
     store.move_run(db, run_id, "cancelled", "selftest: stopped by the user", now=t + 31)
+    return run_id
+
+
+HUNG_EXITED = NOW - 1030  # when rank 1 of the hung run's train exited 0
+HUNG_QUIET = NOW - 1032  # rank 0's last write: nothing since, though it still runs
+
+
+def add_hung_run(home: Path) -> int:
+    """Add, beside build()'s four runs (which it leaves as they are), the run of issue 19: train
+    on two GPUs whose rank 1 exited 0 seventeen minutes ago while rank 0 still runs and has
+    written nothing since; every sample counted (100%, 0 tok/s). Its stored reason is the stale
+    "starting preflight" the Run screen once showed. Returns its id."""
+    db = store.open_writer(paths.db_path(home))
+    t = NOW - 4000
+    run_id = store.create_run(
+        db,
+        name="llama-hung",
+        model="Llama-3.1-8B-Instruct",
+        stages=[{"name": s, "world_size": 2} for s in PIPELINE],
+        now=t,
+    )
+    store.move_run(db, run_id, "running", "starting preflight", now=t + 1)
+    t += 1
+    for s, d in (("preflight", 10), ("prepare", 200), ("extract", 1200), ("vocab", 30)):
+        _stage_run(db, home, run_id, s, t, d, world=2, devices=[0, 1])
+        t += d + 5
+    start = NOW - 2500
+    aid = _stage_run(db, home, run_id, "train", start, 0, world=2, devices=[0, 1], state="running")
+    store.upsert_rank(db, aid, 0, last_write=HUNG_QUIET, peak_gpu_mem=70 * GiB)
+    store.upsert_rank(
+        db, aid, 1, state="exited", exit_code=0, ended_at=HUNG_EXITED, last_write=HUNG_EXITED - 1, peak_gpu_mem=69 * GiB
+    )
+    db["runs"].update(run_id, {"reason": "starting preflight"})
+    rows = []
+    for k in range(300):
+        ts = NOW - 299 + k
+        for name, value in (("progress", 1.0), ("eta_s", 0.0), ("tok_s", 0.0)):
+            rows.append(
+                {
+                    "time": ts,
+                    "run_id": run_id,
+                    "stage": "train",
+                    "attempt": 1,
+                    "rank": None,
+                    "name": name,
+                    "value": value,
+                }
+            )
+        for name, value in (("gpu_mem_bytes", 70 * GiB), ("cpu_percent", 100.0), ("rss_bytes", 12 * GiB)):
+            rows.append(
+                {"time": ts, "run_id": run_id, "stage": "train", "attempt": 1, "rank": 0, "name": name, "value": value}
+            )
+    rows.append(
+        {"time": HUNG_QUIET, "run_id": run_id, "stage": "train", "attempt": 1, "rank": 0, "name": "loss", "value": 1.25}
+    )
+    store.insert_metrics(db, rows)
+    db.conn.close()
     return run_id
 
 

@@ -1,5 +1,6 @@
 """The Ranks screen: one row per rank of a stage's latest attempt, the processes under each
-live rank (vLLM's TP workers) as sub-rows, with GPU memory, sparklines, CPU and RSS."""
+live rank (vLLM's TP workers) as sub-rows, with GPU memory, sparklines, CPU, RSS and how long
+since each rank last wrote (quiet ranks and partly exited stages marked: state/liveness.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Static
 
-from eyas.state import contract, display
+from eyas.state import contract, display, liveness
 
 from .. import format as fmt
 from ..history import attempt_dir
@@ -66,23 +67,32 @@ class RanksScreen(EyasScreen):
         run = self.app.history.run(self.run_id)
         stage = next((s for s in run["stages"] if s["name"] == self.stage_name), None) if run else None
         self.attempt = stage["attempt_list"][-1] if stage and stage["attempt_list"] else None
-        head = self.query_one("#head", Static)
         if self.attempt is None:
+            head = self.query_one("#head", Static)
             head.update(f"Stage {self.stage_name} of run {self.run_id} has not started: no ranks yet.")
             self.query_one(DataTable).clear(columns=True)
             return
-        a = self.attempt
-        head.update(
-            Text.assemble(
-                (f"{self.stage_name} attempt {a['number']} ", "bold"),
-                fmt.badge(a["state"]),
-                f"  ·  {a['world_size']} rank{'s' if a['world_size'] != 1 else ''}"
-                f"  ·  devices {','.join(map(str, a['devices'])) or 'cpu'}"
-                f"  ·  {display.duration(a['duration'])}",
-            )
-        )
         self._load_series()
         self._fill()
+
+    def _ranks(self) -> list[dict]:
+        """The attempt's ranks, each last write as fresh as the daemon's events have it."""
+        a = self.attempt
+        return self.app.live.with_writes(self.run_id, self.stage_name, a["number"], a["ranks"])
+
+    def _show_head(self, ranks: list[dict], now: float) -> None:
+        a = self.attempt
+        head = Text.assemble(
+            (f"{self.stage_name} attempt {a['number']} ", "bold"),
+            fmt.badge(a["state"]),
+            f"  ·  {a['world_size']} rank{'s' if a['world_size'] != 1 else ''}"
+            f"  ·  devices {','.join(map(str, a['devices'])) or 'cpu'}"
+            f"  ·  {display.duration(a['duration'])}",
+        )
+        note = liveness.stage_note(ranks, now, liveness.quiet_after()) if a["state"] == "running" else ""
+        if note:
+            head.append(f"\n{note}", style="bold yellow")
+        self.query_one("#head", Static).update(head)
 
     def _load_series(self) -> None:
         a = self.attempt
@@ -118,15 +128,17 @@ class RanksScreen(EyasScreen):
     def _columns(self, gpu: bool, wide: bool) -> list[tuple[str, str, int]]:
         if wide:
             cols = [("rank", "rank", 4), ("pid", "pid", 8), ("state", "state", 10), ("exit", "exit", 13)]
+            cols += [("wrote", "last write", 12)]
             if gpu:
-                cols += [("gpu", "GPU memory", 30), ("gpu_spark", "GPU memory (5 min)", 22)]
+                cols += [("gpu", "GPU memory", 28), ("gpu_spark", "GPU mem (5 min)", 16)]
             cols += [
-                ("tok_spark", "tok/s (5 min)", 22 if gpu else 40),
+                ("tok_spark", "tok/s (5 min)", 16 if gpu else 34),
                 ("tok_s", "tok/s", 8),
                 ("cpu", "CPU %", 6),
                 ("rss", "RSS", 9),
             ]
             return cols
+        # The compact layout has no room for a column: the last write is the state's second line.
         cols = [("rank", "rank", 4), ("pid", "pid", 7), ("state", "state", 9), ("exit", "exit", 8 if gpu else 13)]
         if gpu:
             cols += [("gpu", "GPU memory", 17)]
@@ -150,9 +162,17 @@ class RanksScreen(EyasScreen):
         cols = [c[0] for c in self._columns(gpu, wide)]
         widths = {k: w for k, _, w in self._columns(gpu, wide)}
         gpu_mem = self.app.history.gpu_memory() if gpu else {}
+        now = self.app.history.clock()
+        ranks = self._ranks()
+        self._show_head(ranks, now)
+        quiet_after = liveness.quiet_after()
         rows = []
-        for r in _ordered(a["ranks"]):
+        for r in _ordered(ranks):
             cells = self._rank_cells(r, gpu_mem, widths)
+            wrote = _last_write(r, now, quiet_after)
+            if "wrote" not in widths and wrote.plain:
+                cells["state"] = Text("\n").join([cells["state"], _compact_write(r, now, quiet_after)])
+            cells["wrote"] = wrote
             rows.append((str(r["rank"]), [cells.get(c, Text("")) for c in cols], 1 if wide else 2))
             for kid in self.kids.get(r["rank"], []):
                 kc = self._child_cells(kid, widths)
@@ -286,6 +306,25 @@ class RanksScreen(EyasScreen):
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         self.action_logs()
+
+
+def _last_write(r: dict, now: float, quiet_after: float) -> Text:
+    """The last write column: `4s`, `quiet 3m12s` (bold) once a running rank is quiet, dim once
+    the rank ended; blank when the daemon kept no last write."""
+    idle = liveness.idle(r, now)
+    if idle is None:
+        return Text("")
+    if liveness.is_quiet(r, now, quiet_after):
+        return Text(f"quiet {display.duration(idle)}", style="bold yellow")
+    return Text(display.duration(idle), style="" if r["state"] == "running" else "dim")
+
+
+def _compact_write(r: dict, now: float, quiet_after: float) -> Text:
+    """The same in the nine cells under the state: `wrote 4s`, `quiet 3m`."""
+    idle = liveness.idle(r, now)
+    if liveness.is_quiet(r, now, quiet_after):
+        return Text(f"quiet {liveness.ago(idle)}", style="bold yellow")
+    return Text(f"wrote {liveness.ago(idle)}", style="dim")
 
 
 def _ordered(ranks: list[dict]) -> list[dict]:

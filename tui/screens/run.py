@@ -1,4 +1,7 @@
-"""The Run screen: the stage pipeline, the selected stage's progress, and the controls."""
+"""The Run screen: the stage pipeline, the selected stage's progress, and the controls.
+
+What the run is doing now is derived from its stage, attempt and rank rows, never from the
+newest event's text, and quiet or partly exited ranks are named (state/liveness.py)."""
 
 from __future__ import annotations
 
@@ -8,13 +11,14 @@ from textual.binding import Binding
 from textual.containers import Vertical
 from textual.widgets import DataTable, ProgressBar, Static
 
-from eyas.state import display
+from eyas.state import display, liveness
 
 from .. import format as fmt
 from ..history import pick_stage
 from ..live import Changes
 from ..widgets.modals import SubmitScreen
 from ..widgets.pipeline import Pipeline
+from ..widgets.stagecurves import StageCurves
 from .base import EyasScreen
 
 # (key, label, width, priority); the reason column takes what is left of the width.
@@ -45,6 +49,7 @@ class RunScreen(EyasScreen):
         Binding("r", "ranks", "Ranks"),
         Binding("l", "logs", "Logs"),
         Binding("e", "errors", "Errors"),
+        Binding("m", "metrics", "Metrics"),
         Binding("s", "stop_stage", "Stop stage"),
         Binding("S", "stop_run", "Stop run"),
         Binding("R", "retry", "Retry"),
@@ -53,9 +58,10 @@ class RunScreen(EyasScreen):
         Binding("n", "submit", "Submit"),
     ]
 
-    def __init__(self, run_id: int) -> None:
+    def __init__(self, run_id: int, *, curves: bool = True) -> None:
         super().__init__()
         self.run_id = run_id
+        self.curves = curves  # the curves panel (tests/bench/bench_curves.py opens the screen without it)
         self.run: dict | None = None
         self.stage_name: str | None = None
         self._columns: list[tuple[str, str, int]] = []
@@ -71,6 +77,8 @@ class RunScreen(EyasScreen):
             yield ProgressBar(total=1.0, show_eta=False, id="bar")
             yield Static("", id="figures")
         yield Static("", id="cause")
+        if self.curves:
+            yield StageCurves(id="curves")
 
     def on_mount(self) -> None:
         self.reload()
@@ -117,8 +125,9 @@ class RunScreen(EyasScreen):
             f"  ·  {run['model'] or 'no model'}  ·  started {display.local_minute(run['started_at'] or run['created_at'])}"
             f"  ·  {display.duration(run['duration']) or '–'}",
         )
-        if run["reason"] and run["state"] != "failed":  # a failure's reason is the root cause below
-            summary.append(f"\n{run['reason']}", style="dim")
+        status, style = self._status(run)
+        if status:
+            summary.append(f"\n{status}", style=style)
         self.query_one("#summary", Static).update(summary)
         self.query_one(Pipeline).show(run["stages"], self.stage_name)
         self.refresh_bindings()
@@ -137,6 +146,7 @@ class RunScreen(EyasScreen):
             table.move_cursor(row=keys.index(self.stage_name))
         self._show_progress()
         self._show_cause()
+        self._show_curves()
 
     def on_resize(self) -> None:
         if self.run is not None:
@@ -153,9 +163,47 @@ class RunScreen(EyasScreen):
             for key, label, w in columns:
                 table.add_column(label, key=key, width=w)
 
+    def _ranks(self, s: dict) -> list[dict]:
+        """The ranks of the stage's latest attempt, each last write as fresh as the events have it."""
+        if not s["attempt_list"]:
+            return []
+        a = s["attempt_list"][-1]
+        return self.app.live.with_writes(self.run_id, s["name"], a["number"], a["ranks"])
+
+    def _note(self, s: dict) -> str:
+        """Quiet or partly exited ranks of the stage's running attempt; "" when all is well."""
+        if s["state"] != "running" or not s["attempt_list"] or s["attempt_list"][-1]["state"] != "running":
+            return ""
+        return liveness.stage_note(self._ranks(s), self.app.history.clock(), liveness.quiet_after())
+
+    def _status(self, run: dict) -> tuple[str, str]:
+        """The line under the run's name: what it is doing now, from the rows of its current
+        stage (a run's stored reason is the event that last moved it, stale once a stage
+        runs). A failure's reason is left out: the root cause below says it."""
+        if run["state"] == "failed":
+            return "", ""
+        if run["state"] != "running":
+            return run["reason"] or "", "dim"
+        stage = next((s for s in run["stages"] if s["state"] == "running"), None)
+        if stage is None:
+            # Between two stages, or held back: the scheduler's "waiting for devices" is
+            # current (it is written each time it holds the run back); nothing else is.
+            nxt = next((s for s in run["stages"] if s["state"] == "pending"), None)
+            why = run["reason"] if (run["reason"] or "").startswith("waiting") else ""
+            return (f"{nxt['name']} pending" if nxt else "") + (f": {why}" if why and nxt else why), "dim"
+        a = stage["attempt_list"][-1] if stage["attempt_list"] else None
+        if a is None:
+            return f"{stage['name']} starting", "dim"
+        if a["state"] != "running":
+            return f"{stage['name']} running: attempt {a['number']} {a['state']}, the next one is due", "dim"
+        text = f"{stage['name']} running · attempt {a['number']} · {display.duration(a['duration'])}"
+        note = self._note(stage)
+        return (f"{text} · {note}", "bold yellow") if note else (text, "dim")
+
     def _cells(self, s: dict) -> list:
         live = self.app.live.stage.get((self.run_id, s["name"]), {}) if s["state"] == "running" else {}
         toks = live.get("tok_s", s["tok_s"])
+        note = self._note(s)
         cells = {
             "name": s["name"],
             "state": fmt.badge(s["state"]),
@@ -164,7 +212,7 @@ class RunScreen(EyasScreen):
             "duration": display.duration(s["duration"]),
             "tok_s": display.count(toks),
             "peak": display.size(s["peak_gpu_mem"]),
-            "reason": Text(s["reason"] or "", style="dim"),
+            "reason": Text(note, style="bold yellow") if note else Text(s["reason"] or "", style="dim"),
         }
         return [cells[k] for k, _, _ in self._columns]
 
@@ -193,7 +241,7 @@ class RunScreen(EyasScreen):
         bar.update(progress=progress or 0.0)
         bits = [f"{s['name']} {s['state']}"]
         if s["state"] == "running":
-            bits.append(fmt.eta(eta))
+            bits.append(self._waiting(s, progress) or fmt.eta(eta))
         if s["state"] == "running" or toks is not None:
             bits.append(fmt.rate(toks))
         for name, label in (("loss", "loss"), ("acc_0", "acc")):
@@ -204,6 +252,20 @@ class RunScreen(EyasScreen):
                 bits.append(f"{label} {value:.4g}")
         bits += self._evaluate_bits(s, attempt, live is not None)
         figures.update("  ·  ".join(bits))
+
+    def _waiting(self, s: dict, progress: float | None) -> str:
+        """`waiting` in place of an ETA when nothing moves: every running rank quiet, or all
+        the work counted while the stage still runs (an ETA of 0 s would say it is ending)."""
+        if not s["attempt_list"]:
+            return ""
+        if s["attempt_list"][-1]["state"] != "running":
+            return "waiting for the next attempt"
+        idle = liveness.stage_idle(self._ranks(s), self.app.history.clock())
+        if idle is not None and idle >= liveness.quiet_after():
+            return f"waiting: no rank wrote for {liveness.ago(idle)}"
+        if progress is not None and progress >= 1.0:
+            return "waiting: all work counted, the stage still runs"
+        return ""
 
     def _evaluate_bits(self, s: dict, attempt: int, live: bool) -> list[str]:
         """The evaluate stage's figures: the trained draft's acceptance beside its untrained
@@ -245,6 +307,10 @@ class RunScreen(EyasScreen):
             f"{root['type']}{msg}   (e: errors)"
         )
 
+    def _show_curves(self) -> None:
+        if self.curves:
+            self.query_one(StageCurves).show(self.run, self.stage_name)
+
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         if event.row_key is not None and event.row_key.value != self.stage_name:
             self.stage_name = str(event.row_key.value)
@@ -252,6 +318,7 @@ class RunScreen(EyasScreen):
                 self.query_one(Pipeline).show(self.run["stages"], self.stage_name)
                 self._show_progress()
                 self._show_cause()
+                self._show_curves()
                 self.refresh_bindings()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
@@ -288,6 +355,11 @@ class RunScreen(EyasScreen):
         from .errors import ErrorsScreen
 
         self.app.push_screen(ErrorsScreen(self.run_id))
+
+    def action_metrics(self) -> None:
+        from .metrics import MetricsScreen
+
+        self.app.push_screen(MetricsScreen([self.run_id], self.stage_name))
 
     # -- controls -----------------------------------------------------------------------------
 

@@ -1,4 +1,7 @@
-"""The Runs screen: the history as a live table, filtered by state and by text."""
+"""The Runs screen: the history as a live table, filtered by state and by text.
+
+Space marks runs (each in the colour its curves will have) and `m` opens the Metrics screen
+over the marked runs overlaid, or over the selected run when none is marked."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from eyas.state.machine import RUN_STATES
 
 from .. import format as fmt
 from ..live import Changes
+from ..widgets.curves import colour
 from ..widgets.modals import SubmitScreen
 from .base import EyasScreen
 
@@ -46,6 +50,8 @@ class RunsScreen(EyasScreen):
         Binding("slash", "match", "Filter"),
         Binding("t", "state_filter", "State filter"),
         Binding("n", "submit", "Submit"),
+        Binding("space", "mark", "Mark"),
+        Binding("m", "metrics", "Metrics"),
         Binding("escape", "clear_filters", "Clear filters", show=False),
     ]
 
@@ -56,6 +62,7 @@ class RunsScreen(EyasScreen):
         self._rows: list[dict] = []
         self._columns: list[tuple[str, str, int]] = []
         self._shown: dict[str, list[str]] = {}  # row key -> the cells' texts on screen
+        self.marked: list[int] = []  # in marking order, which gives each its colour
 
     def compose_body(self) -> ComposeResult:
         yield Static("", id="filterbar")
@@ -93,7 +100,7 @@ class RunsScreen(EyasScreen):
         started = display.local_minute(r["started"])
         cells = {
             "id": Text(str(r["id"]), justify="right"),
-            "name": r["name"] or "",
+            "name": self._name_cell(r),
             "model": r["model"] or "",
             "state": fmt.badge(r["state"]),
             "stage": r["stage"] or "",
@@ -103,6 +110,11 @@ class RunsScreen(EyasScreen):
             "tok_s": Text(display.count(toks), justify="right"),
         }
         return [cells[key] for key, _, _ in self._columns]
+
+    def _name_cell(self, r: dict) -> str | Text:
+        if r["id"] not in self.marked:
+            return r["name"] or ""
+        return Text.assemble(("● ", colour(self.marked.index(r["id"]))[1]), r["name"] or "")
 
     def on_resize(self) -> None:
         self._fill()
@@ -185,6 +197,29 @@ class RunsScreen(EyasScreen):
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         self.action_open()
+
+    def action_mark(self) -> None:
+        """Mark the selected run for the Metrics screen's overlay, or unmark it."""
+        run_id = self.selected_run()
+        if run_id is None:
+            return
+        if run_id in self.marked:
+            self.marked.remove(run_id)
+        else:
+            self.marked.append(run_id)
+        self._shown = {}  # the other marks' colours may have moved: redraw every cell
+        self._fill()
+        table = self.query_one(DataTable)
+        if table.cursor_row < table.row_count - 1:
+            table.move_cursor(row=table.cursor_row + 1)  # as in a file manager: mark, move on
+
+    def action_metrics(self) -> None:
+        """The Metrics screen over the marked runs (overlaid), else over the selected one."""
+        runs = list(self.marked) or [r for r in [self.selected_run()] if r is not None]
+        if runs:
+            from .metrics import MetricsScreen
+
+            self.app.push_screen(MetricsScreen(runs))
 
     def action_state_filter(self) -> None:
         i = STATE_FILTERS.index(self.state_filter)

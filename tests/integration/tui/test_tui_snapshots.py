@@ -14,8 +14,10 @@ from tui_world import until
 from eyas.tui.app import EyasApp
 from eyas.tui.screens.errors import ErrorsScreen
 from eyas.tui.screens.logs import LogsScreen
+from eyas.tui.screens.metrics import MetricsScreen
 from eyas.tui.screens.ranks import RanksScreen
 from eyas.tui.screens.run import RunScreen
+from eyas.tui.widgets.curves import CurvePlot
 from eyas.tui.widgets.logview import LogView
 
 SIZES = [(80, 24), (160, 48)]
@@ -88,3 +90,34 @@ def test_logs_all_ranks_merged(snap_compare, app, size):
 @pytest.mark.parametrize("size", SIZES, ids=["80x24", "160x48"])
 def test_errors(snap_compare, app, size):
     assert snap_compare(app, terminal_size=size, run_before=_screen(lambda: ErrorsScreen(2)))
+
+
+def _plotted(screen) -> bool:
+    return bool(screen.query(CurvePlot)) and any(p.lines for p in screen.query(CurvePlot))
+
+
+def _run_on_train() -> RunScreen:
+    screen = RunScreen(1)
+    screen.stage_name = "train"  # the finished run's train stage, which has curves
+    return screen
+
+
+@pytest.mark.parametrize("size", SIZES, ids=["80x24", "160x48"])
+def test_run_curves(snap_compare, app, size):
+    assert snap_compare(app, terminal_size=size, run_before=_screen(_run_on_train, _plotted))
+
+
+@pytest.mark.parametrize("size", SIZES, ids=["80x24", "160x48"])
+def test_metrics_one_run(snap_compare, app, size):
+    assert snap_compare(app, terminal_size=size, run_before=_screen(lambda: MetricsScreen([1]), _plotted))
+
+
+@pytest.mark.parametrize("size", SIZES, ids=["80x24", "160x48"])
+def test_metrics_two_runs_overlaid_by_step(snap_compare, app, size):
+    async def run_before(pilot):
+        await _screen(lambda: MetricsScreen([1, 2]), _plotted)(pilot)
+        await pilot.press("x")
+        await until(pilot, lambda: pilot.app.screen.x == "step", what="steps on x")
+        await _settle(pilot)
+
+    assert snap_compare(app, terminal_size=size, run_before=run_before)

@@ -680,3 +680,20 @@ def test_progress_reader_notices_a_replaced_file_that_is_longer(tmp_path):
         assert reader.read() == ([{"d": 4}], 0) and reader.restarts == 1
     finally:
         reader.close()
+
+
+def test_last_write_is_the_newer_of_the_log_and_the_progress_file(tmp_path):
+    log, progress = tmp_path / "rank-0.log", tmp_path / "rank-0.progress.jsonl"
+    s = Sampler(nvml=NoDriverNvml())
+    ref = ref_for(None, tmp_path, log_path=log)
+    assert s.sample([ref], now=2000.0).writes == {}  # nothing written yet: unknown, not "now"
+    log.write_text("step 1\n")
+    os.utime(log, (1500.25, 1500.25))
+    assert s.sample([ref], now=2000.0).writes == {(7, 0): 1500.25}
+    progress.write_text(progress_lines(1, 100))
+    os.utime(progress, (1700.5, 1700.5))
+    res = s.sample([ref], now=2000.0)
+    assert res.writes == {(7, 0): 1700.5}
+    assert "last_write" not in res.ranks.get((7, 0), {})  # metrics.py joins it to the roll-up
+    os.utime(log, (1800.0, 1800.0))  # a log line after the last progress record
+    assert s.sample([ref], now=2000.0).writes == {(7, 0): 1800.0}
