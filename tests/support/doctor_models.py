@@ -18,11 +18,17 @@ KIMI_AUTO_MAP = {
     "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
     "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
 }
+# The keys the memory check sizes activations and the KV cache from are DeepSeek-V3's own.
 DEEPSEEK_TEXT = {
     "model_type": "deepseek_v3",
     "architectures": ["DeepseekV3ForCausalLM"],
     "num_hidden_layers": 61,
     "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_experts_per_tok": 8,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
     "kv_lora_rank": 512,
     "q_lora_rank": 1536,
     "qk_rope_head_dim": 64,
@@ -37,11 +43,22 @@ MODELS = {
             "model_type": "kimi_k25",
             "auto_map": KIMI_AUTO_MAP,
             "text_config": {**DEEPSEEK_TEXT, "vocab_size": 163840},
+            # The routed experts ship as int4 (compressed-tensors): not a 16-bit checkpoint to fp8.
+            "quantization_config": {"quant_method": "compressed-tensors"},
         },
         595_000_000_000,
         64,
     ),
-    "deepseek": ({**DEEPSEEK_TEXT, "vocab_size": 129280, "n_routed_experts": 256}, 688_586_727_753, 163),
+    "deepseek": (
+        {
+            **DEEPSEEK_TEXT,
+            "vocab_size": 129280,
+            "n_routed_experts": 256,
+            "quantization_config": {"quant_method": "fp8"},  # DeepSeek-V3 ships its weights in fp8
+        },
+        688_586_727_753,
+        163,
+    ),
     "llama": (
         {
             "architectures": ["LlamaForCausalLM"],
@@ -49,6 +66,7 @@ MODELS = {
             "num_hidden_layers": 32,
             "hidden_size": 4096,
             "vocab_size": 128256,
+            "intermediate_size": 14336,
             "num_attention_heads": 32,
             "num_key_value_heads": 8,
         },
@@ -101,8 +119,10 @@ def write_run(
     pipeline: str | None = None,
     tokens: int | None = 10_000,
     dtype: str = "bfloat16",
+    vllm_options: dict | None = None,
 ) -> Path:
-    """A run config beside `target`; `tokens`: a prepare summary already in the output dir."""
+    """A run config beside `target`; `tokens`: a prepare summary already in the output dir;
+    `vllm_options`: the extract stage's vLLM engine arguments ([stages.extract] options.vllm)."""
     (root / "chat.jsonl").write_text(
         '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n' * 50
     )
@@ -119,6 +139,7 @@ def write_run(
         extract={"backend": backend, "tensor_parallel_size": tp, "layer_ids": ids},
         resources={"ranks": ranks, "devices": toml_value(devices)},
         draft={"vocab_size": 32000},
+        stages={"extract": {"options": {"vllm": vllm_options}}} if vllm_options else None,
     )
     path = root / "run.toml"
     path.write_text(text)

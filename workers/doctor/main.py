@@ -105,7 +105,7 @@ def run_checks(
     gpu_check, usable = resources.gpus(cfg, gpus)
     checks.append(gpu_check)
     for extra in (
-        resources.memory(cfg, facts.weight_bytes, usable),
+        resources.memory(cfg, facts.weight_bytes, usable, model=facts.config),
         resources.disk(cfg, output_dir, len(ids or ()), facts.hidden_size),
     ):
         if extra is not None:

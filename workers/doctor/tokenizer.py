@@ -8,10 +8,31 @@ prompt, and nothing downstream would notice.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from eyas.workers.data import chat
 from eyas.workers.doctor.check import Check, failed, passed, warned
 
 GROUP = "tokenizer"
+# The files transformers' tokenizer loaders read from a model folder (transformers 5.19:
+# tokenization_utils_base.py, tokenization_utils_tokenizers.py and the slow tokenizers'
+# vocab_files_names), one entry each, as the failure names them. A folder with none of them
+# makes AutoTokenizer fail with "Couldn't instantiate the backend tokenizer from one of:", whose
+# list follows on lines the report would cut.
+TOKENIZER_FILES = (
+    "tokenizer.json",  # tokenizers' serialization: what a fast tokenizer loads
+    "tokenizer_config.json",  # the tokenizer class, special tokens, chat template
+    "tokenizer.model",  # sentencepiece, or tiktoken ranks (transformers' TIKTOKEN_VOCAB_FILE)
+    "tiktoken.model",  # tiktoken ranks under their legacy name (Kimi-K2)
+    "*.tiktoken",  # OpenAI-style tiktoken ranks
+    "vocab.json + merges.txt",  # byte-level BPE (GPT-2 style)
+    "vocab.txt",  # WordPiece
+    "spiece.model",  # sentencepiece (T5 style)
+    "sentencepiece.bpe.model",  # sentencepiece (XLM-R style)
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenization_*.py",  # the checkpoint's own tokenizer code (trust_remote_code)
+)
 
 PROBE = [
     {"role": "user", "content": "Name three colours."},
@@ -39,18 +60,7 @@ def check(path: str, trust_remote_code: bool, vocab_size: int | None, needs_temp
     try:
         tokenizer = chat.load_tokenizer(path, trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - any load failure is the finding
-        fix = "put the tokenizer files (tokenizer.json, tokenizer_config.json) beside config.json"
-        if not trust_remote_code and "trust_remote_code" in str(exc):
-            fix = "set target.trust_remote_code = true (the tokenizer ships its own code)"
-        return [
-            failed(
-                GROUP,
-                "load",
-                f"{path}: the tokenizer does not load ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''})",
-                fix,
-            )
-        ]
+        return [load_failure(path, trust_remote_code, exc)]
     size = len(tokenizer)
     out = []
     kind = type(tokenizer).__name__
@@ -80,6 +90,52 @@ def check(path: str, trust_remote_code: bool, vocab_size: int | None, needs_temp
         return out
     out.append(probe(tokenizer, template))
     return out
+
+
+def tokenizer_files(path: str) -> list[str]:
+    """The entries of TOKENIZER_FILES present in the folder `path` (a pair when both are)."""
+    folder = Path(path)
+    try:
+        names = {p.name for p in folder.iterdir() if p.is_file()}
+    except OSError:
+        return []
+    found = []
+    for entry in TOKENIZER_FILES:
+        if " + " in entry:
+            if all(part in names for part in entry.split(" + ")):
+                found.append(entry)
+            else:  # one of a pair is still worth naming: it says which file is missing
+                found.extend(part for part in entry.split(" + ") if part in names)
+        elif "*" in entry:
+            found.extend(sorted(p.name for p in folder.glob(entry) if p.is_file()))
+        elif entry in names:
+            found.append(entry)
+    return found
+
+
+def load_failure(path: str, trust_remote_code: bool, exc: Exception) -> Check:
+    """The failed load check: the library's whole message on one line, the tokenizer files
+    looked for and those found in the folder, and what to do."""
+    message = " ".join(str(exc).split())
+    found = tokenizer_files(path)
+    if not trust_remote_code and "trust_remote_code" in message:
+        fix = "set target.trust_remote_code = true (the tokenizer ships its own code)"
+    elif not found:
+        fix = (
+            f"copy the checkpoint's tokenizer files (tokenizer.json and tokenizer_config.json, or its "
+            f"tokenizer.model / tiktoken.model with its tokenization_*.py) into {path}"
+        )
+    else:
+        fix = "restore the checkpoint's tokenizer files (tokenizer.json, tokenizer_config.json) beside config.json"
+    return failed(
+        GROUP,
+        "load",
+        f"{path}: the tokenizer does not load ({type(exc).__name__}: {message}); "
+        f"looked for {', '.join(TOKENIZER_FILES)}; found: {', '.join(found) or 'none'}",
+        fix,
+        looked_for=list(TOKENIZER_FILES),
+        found=found,
+    )
 
 
 def probe(tokenizer, template: str) -> Check:

@@ -22,15 +22,13 @@ from eyas.workers.doctor import versions as doctor_versions
 from eyas.workers.models import adapters
 
 
-def fake_gpus(root: Path, monkeypatch, n: int, used: int = 1_000_000_000, total: int = H200) -> None:
+def fake_gpus(
+    root: Path, monkeypatch, n: int, used: int = 1_000_000_000, total: int = H200, name: str = "NVIDIA H200"
+) -> None:
     path = root / "nvml.json"
     path.write_text(
         json.dumps(
-            {
-                "devices": [
-                    {"name": "NVIDIA H200", "uuid": f"GPU-{i}", "mem_total": total, "mem_used": used} for i in range(n)
-                ]
-            }
+            {"devices": [{"name": name, "uuid": f"GPU-{i}", "mem_total": total, "mem_used": used} for i in range(n)]}
         )
     )
     monkeypatch.setenv("EYAS_FAKE_NVML", str(path))
@@ -48,6 +46,16 @@ def verdicts(checks) -> dict[str, str]:
 
 VERSIONS_OK = {f"versions: {p}": "pass" for p in ("torch", "transformers", "tokenizers", "speculators", "vllm")}
 DATA_OK = {"data: rows": "pass"}  # write_run's chat.jsonl (tests/unit/workers/test_doctor_data.py has the rest)
+# vLLM's default gpu_memory_utilization as the doctor reads it from the installed vLLM's source
+# (tests/unit/workers/test_doctor_memory.py reads it from planted sources).
+UTIL, UTIL_FROM = doctor_resources.vllm_default_utilization()
+# Kimi-K2.5's language model (DeepSeek-V3's shape) per GPU at TP 8 on a GPU of 70 GiB or more,
+# where vLLM schedules 16384 tokens a step and samples 1024 sequences: 4 hidden-sized copies
+# per token plus, in a routed-expert layer, 8 experts' 3 × 2048 ÷ 8 wide MLP and their 8
+# hidden-sized outputs, in bf16; and the logits of 1024 sequences over 163840 tokens in fp32.
+KIMI_ACTIVATIONS = 16384 * 2 * (4 * 7168 + 8 * (3 * 2048 // 8 + 7168)) + 1024 * 163840 * 4
+# MLA caches a 512 + 64 latent per token and layer, unsplit by TP: 8 sequences of 2049 tokens.
+KIMI_KV = 8 * 2049 * 61 * (512 + 64) * 2
 KIMI_IDS = (
     "ids 2, 30, 58 are the inputs of layers 2, 30, 58; id 61 is the final pre-norm output "
     "(layer 60's output, before the final norm)"
@@ -96,18 +104,34 @@ def test_kimi_shaped_target_on_eight_h200s(tmp_path, monkeypatch, tokenizer_file
         + ", ".join(f"{i}: NVIDIA H200" for i in range(8))
         + "); the run needs 8 at once (extract.tensor_parallel_size 8)"
     )
-    # 595 GB over TP 8 = 74.375 GB per GPU, plus a 10% KV margin; 149 GB free on each.
+    # 595 GB over TP 8 = 74.375 GB per GPU, activations, KV cache and 1 GiB of CUDA context.
+    assert (KIMI_ACTIVATIONS, KIMI_KV) == (3_690_987_520, 1_151_898_624)
     assert c["resources: memory"].data == {
         "mode": "gpu",
-        "need": 81_812_500_000,
-        "per_gpu_weights": 74_375_000_000,
-        "margin": 7_437_500_000,
-        "free": 149_000_000_000,
-        "gpu": 0,
+        "backend": "vllm",
+        "stage": "extract",
         "tp": 8,
+        "need": 74_375_000_000 + KIMI_ACTIVATIONS + KIMI_KV + 2**30,
+        "per_gpu_weights": 74_375_000_000,
+        "activations": KIMI_ACTIVATIONS,
+        "kv_cache": KIMI_KV,
+        "cuda_context": 2**30,
+        "margin": 0,
+        "step_tokens": 16384,
+        "kv_tokens": 8 * 2049,
+        "max_model_len": 2049,
+        "fp8": False,
+        "gpu": 0,
+        "total": H200,
+        "free": 149_000_000_000,
+        "gpu_memory_utilization": UTIL,
+        "utilization_from": UTIL_FROM,
+        "capacity": int(UTIL * H200),
     }
     assert c["resources: memory"].detail == (
-        "needs 81.81 GB per GPU (weights 595.00 GB ÷ TP 8 + 7.44 GB KV margin); GPU 0 has 149.00 GB free"
+        "weights 74.38 GB/GPU (595.00 GB ÷ TP 8) + activations 3.69 GB (16384 tokens a step) + KV cache "
+        "1.15 GB (8 × 2049 tokens) + CUDA context 1.07 GB = 80.29 GB; vLLM may use "
+        f"{UTIL:.2f} × 150.00 GB = {UTIL * 150:.2f} GB of GPU 0 ({UTIL_FROM}), 149.00 GB free"
     )
     # 10,000 tokens (prepare's summary) × 4 ids × 7168 × 2 bytes, plus 8 bytes of token id each.
     assert c["resources: disk"].data["need"] == 10_000 * (4 * 7168 * 2 + 8) == 573_520_000
@@ -166,21 +190,102 @@ def test_deepseek_v3_shaped_target_that_does_not_fit_busy_gpus(tmp_path, monkeyp
     assert c["adapter: decoder"].detail == (
         "DeepseekV3ForCausalLM.model -> DeepseekV2Model: layers of DeepseekV2DecoderLayer, norm RMSNorm"
     )
-    # 688.6 GB ÷ 8 (rounded up) + 10%: 94.7 GB per GPU; 80 GB free.
+    # 688.6 GB ÷ 8, rounded up, would fit vLLM's budget of an idle H200, but vLLM starts only
+    # where its whole budget is free, and other processes hold 70 GB of each GPU.
     mem = c["resources: memory"]
-    assert mem.data == {
-        "mode": "gpu",
-        "need": 94_680_675_067,
-        "per_gpu_weights": 86_073_340_970,
-        "margin": 8_607_334_097,
-        "free": 80_000_000_000,
-        "gpu": 0,
-        "tp": 8,
-    }
-    assert mem.detail == (
-        "needs 94.68 GB per GPU (weights 688.59 GB ÷ TP 8 + 8.61 GB KV margin); GPU 0 has 80.00 GB free"
+    activations = 16384 * 2 * (4 * 7168 + 8 * (3 * 2048 // 8 + 7168)) + 1024 * 129280 * 4
+    assert (mem.data["per_gpu_weights"], mem.data["activations"], mem.data["kv_cache"]) == (
+        86_073_340_970,
+        activations,
+        KIMI_KV,
     )
-    assert mem.fix == "free memory on the GPUs (other processes hold it), or use GPUs with more memory"
+    assert mem.data["need"] == 86_073_340_970 + activations + KIMI_KV + 2**30 == 91_848_411_178
+    assert (mem.data["free"], mem.data["capacity"]) == (80_000_000_000, int(UTIL * H200))
+    assert mem.detail == (
+        "weights 86.07 GB/GPU (688.59 GB ÷ TP 8) + activations 3.55 GB (16384 tokens a step) + KV cache "
+        "1.15 GB (8 × 2049 tokens) + CUDA context 1.07 GB = 91.85 GB; vLLM may use "
+        f"{UTIL:.2f} × 150.00 GB = {UTIL * 150:.2f} GB of GPU 0 ({UTIL_FROM}), but only 80.00 GB is free there "
+        "(other processes hold 70.00 GB): vLLM refuses to start"
+    )
+    # 80 GB of 150 starts vLLM at 0.53 at most; there, TP 16 fits. DeepSeek-V3's weights are
+    # fp8 already: no fp8 fix.
+    assert mem.fix == (
+        "free the 70.00 GB other processes hold on GPU 0; or run on 16 GPUs with "
+        "extract.tensor_parallel_size = 16 and gpu_memory_utilization = 0.53"
+    )
+
+
+def _kimi_memory(tmp_path, monkeypatch, tokenizer_files, total: int, name: str, **run) -> doctor_check.Check:
+    target = make_model(tmp_path, "kimi", tokenizer_files)
+    fake_gpus(tmp_path, monkeypatch, 8, total=total, name=name)
+    return by_label(doctor.diagnose(str(write_run(tmp_path, target, **run))))["resources: memory"]
+
+
+KIMI_NEED = (
+    "weights 74.38 GB/GPU (595.00 GB ÷ TP 8) + activations 3.69 GB (16384 tokens a step) + KV cache 1.15 GB "
+    "(8 × 2049 tokens) + CUDA context 1.07 GB = 80.29 GB"
+)
+
+
+def test_kimi_on_eight_80gb_gpus_fails_against_what_vllm_may_use(tmp_path, monkeypatch, tokenizer_files):
+    """80 GB would hold the 74.38 GB shard, but vLLM keeps itself to gpu_memory_utilization of
+    the card; the shard, activations, KV cache and CUDA context need more than that."""
+    mem = _kimi_memory(tmp_path, monkeypatch, tokenizer_files, 80 * 10**9, "NVIDIA H100 80GB HBM3")
+    assert mem.verdict == "fail"
+    assert (mem.data["per_gpu_weights"], mem.data["need"]) == (74_375_000_000, 80_291_627_968)
+    assert (mem.data["gpu_memory_utilization"], mem.data["capacity"]) == (UTIL, int(UTIL * 80 * 10**9))
+    assert mem.detail == (
+        f"{KIMI_NEED}, over what vLLM may use {UTIL:.2f} × 80.00 GB = {UTIL * 80:.2f} GB of GPU 0 ({UTIL_FROM})"
+    )
+    # The int4 checkpoint has no fp8 fix; no utilization up to 0.95 nor a shorter max_model_len
+    # gets 80.29 GB into 80 GB; TP 16 does, on 16 GPUs.
+    assert mem.fix == "run on 16 GPUs with extract.tensor_parallel_size = 16"
+
+
+@pytest.mark.parametrize("util, capacity", [(0.9, 72_000_000_000), (0.95, 76_000_000_000)])
+def test_kimi_on_80gb_gpus_honours_the_runs_gpu_memory_utilization(
+    tmp_path, monkeypatch, tokenizer_files, util, capacity
+):
+    mem = _kimi_memory(
+        tmp_path,
+        monkeypatch,
+        tokenizer_files,
+        80 * 10**9,
+        "NVIDIA H100 80GB HBM3",
+        vllm_options={"gpu_memory_utilization": util},
+    )
+    assert (mem.verdict, mem.data["gpu_memory_utilization"], mem.data["capacity"]) == ("fail", util, capacity)
+    assert mem.detail == (
+        f"{KIMI_NEED}, over what vLLM may use {util:.2f} × 80.00 GB = {capacity / 1e9:.2f} GB of GPU 0 "
+        "([stages.extract] options.vllm)"
+    )
+
+
+def test_kimi_on_eight_96gb_gpus_passes(tmp_path, monkeypatch, tokenizer_files):
+    mem = _kimi_memory(tmp_path, monkeypatch, tokenizer_files, 96 * 10**9, "NVIDIA GH200 96GB HBM3")
+    assert (mem.verdict, mem.data["need"], mem.data["capacity"]) == ("pass", 80_291_627_968, int(UTIL * 96 * 10**9))
+    assert mem.detail == (
+        f"{KIMI_NEED}; vLLM may use {UTIL:.2f} × 96.00 GB = {UTIL * 96:.2f} GB of GPU 0 ({UTIL_FROM}), 95.00 GB free"
+    )
+
+
+def test_a_547gb_kimi_on_80gb_gpus_is_told_every_option_that_fits(tmp_path, monkeypatch, tokenizer_files):
+    """The size the issue saw (547 GB): 68.38 GB a GPU plus 5.91 GB of activations, KV cache
+    and context is 74.29 GB, just over 0.92 × 80 GB = 73.6 GB; each fix named is one that fits."""
+    target = make_model(tmp_path, "kimi", tokenizer_files, total_size=547_000_000_000)
+    fake_gpus(tmp_path, monkeypatch, 8, total=80 * 10**9, name="NVIDIA H100 80GB HBM3")
+    run = write_run(tmp_path, target, vllm_options={"gpu_memory_utilization": 0.92})
+    mem = by_label(doctor.diagnose(str(run)))["resources: memory"]
+    assert (mem.verdict, mem.data["per_gpu_weights"], mem.data["need"]) == ("fail", 68_375_000_000, 74_291_627_968)
+    # 0.93 × 80 GB = 74.4 GB holds 74.29 GB; so does 73.6 GB with max_model_len 513, whose KV
+    # cache is 8 × 513 tokens (0.29 GB), not with 1025 (0.58 GB).
+    assert mem.data["need"] - mem.data["kv_cache"] + 8 * 513 * 61 * 576 * 2 <= 73_600_000_000
+    assert mem.data["need"] - mem.data["kv_cache"] + 8 * 1025 * 61 * 576 * 2 > 73_600_000_000
+    assert mem.fix == (
+        "set [stages.extract] options = { vllm = { gpu_memory_utilization = 0.93 } }; "
+        "or lower data.max_length to 512 (max_model_len follows it); "
+        "or run on 16 GPUs with extract.tensor_parallel_size = 16"
+    )
 
 
 def test_llama3_8b_shaped_target_on_the_hf_backend(tmp_path, monkeypatch, tokenizer_files):
@@ -194,8 +299,14 @@ def test_llama3_8b_shaped_target_on_the_hf_backend(tmp_path, monkeypatch, tokeni
         "layers 2, 16, 29; id 32 is the final pre-norm output (layer 31's output, "
         "before the final norm)"
     )
-    # The whole model on one GPU: 16.06 GB + the 2 GiB minimum margin.
-    assert c["resources: memory"].data["need"] == 16_060_522_496 + 2 * 2**30
+    # The whole model on one GPU, and a forward of 8 rows of 2048 tokens: 4 hidden-sized copies
+    # and the MLP's 3 × 14336 per token, in bf16 (the hf backend runs no LM head: no logits).
+    activations = 8 * 2048 * 2 * (4 * 4096 + 3 * 14336)
+    assert c["resources: memory"].data["need"] == 16_060_522_496 + activations + 2**30 == 19_080_421_376
+    assert c["resources: memory"].detail == (
+        "weights 16.06 GB/GPU + activations 1.95 GB (16384 tokens a batch) + CUDA context 1.07 GB = 19.08 GB; "
+        "GPU 0 has 149.00 GB free"
+    )
     assert c["adapter: decoder"].detail == (
         "LlamaForCausalLM.model -> LlamaModel: layers of LlamaDecoderLayer, norm LlamaRMSNorm"
     )
@@ -238,6 +349,49 @@ def test_an_adapter_expectation_broken_on_purpose_fails_with_its_fix(tmp_path, m
         "add DeepseekV2DecoderLayer's family to eyas/workers/models/adapters.py: the vllm tap needs hidden_states and "
         "residual_stream in the decoder layer's forward",
     )
+
+
+def test_vllms_classes_read_from_source_agree_with_the_imported_ones(monkeypatch):
+    """For every architecture with an adapter: where the real classes pass, the source-read
+    stand-ins give the same checks, word for word; where they do not, the stand-ins do not
+    answer (None) and the real classes' finding stands, except a model module that does not
+    import on this machine, which only the canary finds."""
+    from eyas.workers.doctor import adapter as doctor_adapter
+    from eyas.workers.doctor.target import TargetFacts
+
+    static = {}
+    for arch in adapters.known_architectures():
+        facts = TargetFacts("", {}, arch, None, None, None, None)
+        static[arch] = doctor_adapter._static_checks(facts, adapters.adapter_for(arch))
+    monkeypatch.setattr(doctor_adapter, "_static_checks", lambda *_: None)
+    agreed, unimportable = [], []
+    for arch in adapters.known_architectures():
+        real = doctor_adapter.check(TargetFacts("", {}, arch, None, None, None, None), "vllm", True)
+        if all(c.verdict == "pass" for c in real):
+            assert static[arch] == real, arch
+            agreed.append(arch)
+        elif "does not import" in real[0].detail:
+            unimportable.append(arch)
+        else:
+            assert static[arch] is None, arch
+    assert {"KimiK25ForConditionalGeneration", "DeepseekV3ForCausalLM", "LlamaForCausalLM"} <= set(agreed)
+    assert all(static[a] is None or static[a][0].verdict == "pass" for a in unimportable)
+
+
+def test_the_doctor_on_a_vllm_run_does_not_import_vllm(tmp_path, tokenizer_files):
+    import sys
+
+    target = make_model(tmp_path, "kimi", tokenizer_files)
+    nvml = tmp_path / "nvml.json"
+    nvml.write_text(json.dumps({"devices": [{"name": "NVIDIA H200", "mem_total": H200, "mem_used": 10**9}] * 8}))
+    code = (
+        "import sys; from eyas.workers.doctor import main; "
+        f"checks = main.diagnose({str(write_run(tmp_path, target))!r}); "
+        "print(sorted({c.verdict for c in checks}), 'vllm' in sys.modules)"
+    )
+    env = {"PATH": "/usr/bin:/bin", "EYAS_FAKE_NVML": str(nvml), "HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180)
+    assert proc.stdout.split("\n")[-2] == "['pass'] False", proc.stdout + proc.stderr
 
 
 def test_an_adapter_path_that_leads_nowhere_fails(tmp_path, monkeypatch, tokenizer_files):
@@ -291,6 +445,49 @@ def test_a_missing_chat_template_fails_with_its_fix(tmp_path, monkeypatch, token
             "rows (input_ids + loss_mask)",
         )
     ]
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json, tokenizer_config.json, tokenizer.model, tiktoken.model, *.tiktoken, vocab.json + merges.txt, "
+    "vocab.txt, spiece.model, sentencepiece.bpe.model, special_tokens_map.json, added_tokens.json, tokenization_*.py"
+)
+
+
+def test_a_target_without_tokenizer_files_names_those_looked_for(tmp_path, monkeypatch):
+    """transformers' own message ends in a list on further lines ("Couldn't instantiate the
+    backend tokenizer from one of:"); the check keeps it whole and says which files it sought."""
+    (tmp_path / "none").mkdir()
+    target = make_model(tmp_path, "llama", tmp_path / "none")
+    fake_gpus(tmp_path, monkeypatch, 1)
+    checks = doctor.diagnose(str(write_run(tmp_path, target, backend="hf", tp=1, trust=False)))
+    assert [c.label for c in checks if c.verdict != "pass"] == ["tokenizer: load"]
+    load = by_label(checks)["tokenizer: load"]
+    head = f"{target}: the tokenizer does not load (ValueError: Couldn't instantiate the backend tokenizer from one of: (1) "
+    tail = f"); looked for {TOKENIZER_FILES}; found: none"
+    assert load.detail.startswith(head) and load.detail.endswith(tail), load.detail
+    assert "\n" not in load.detail
+    assert load.fix == (
+        "copy the checkpoint's tokenizer files (tokenizer.json and tokenizer_config.json, or its tokenizer.model "
+        f"/ tiktoken.model with its tokenization_*.py) into {target}"
+    )
+    assert load.data["found"] == [] and len(load.data["looked_for"]) == 12
+
+
+def test_a_half_tokenizer_names_what_it_found(tmp_path, monkeypatch):
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    (tmp_path / "half" / "vocab.json").write_text('{"a": 0}')  # merges.txt is missing
+    target = make_model(tmp_path, "llama", tmp_path / "half")
+    fake_gpus(tmp_path, monkeypatch, 1)
+    load = by_label(doctor.diagnose(str(write_run(tmp_path, target, backend="hf", tp=1, trust=False))))[
+        "tokenizer: load"
+    ]
+    assert load.verdict == "fail"
+    assert load.detail.endswith(f"; looked for {TOKENIZER_FILES}; found: tokenizer_config.json, vocab.json")
+    assert load.data["found"] == ["tokenizer_config.json", "vocab.json"]
+    assert load.fix == (
+        "restore the checkpoint's tokenizer files (tokenizer.json, tokenizer_config.json) beside config.json"
+    )
 
 
 def test_a_tensor_parallel_size_larger_than_the_gpus_fails(tmp_path, monkeypatch, tokenizer_files):
@@ -348,14 +545,23 @@ def test_memory_and_disk_against_given_free_amounts(tmp_path):
         f"({out}/prepare/summary.json)); 65.55 GB free at {out}"
     )
     assert short.fix == "point output_dir at a bigger disk, lower data.limit, or use fewer layer ids"
-    gpu = [{"index": 0, "name": "NVIDIA H200", "mem_total": H200, "mem_used": H200 - 18_208_006_144}]
-    assert doctor_resources.memory(cfg, 16_060_522_496, gpu).verdict == "pass"
+    # The hf backend, whose capacity is the free memory: the weights, a batch's activations and
+    # the CUDA context (see test_llama3_8b_shaped_target_on_the_hf_backend), to the byte.
+    llama = MODELS["llama"][0]
+    gpu = [{"index": 0, "name": "NVIDIA H200", "mem_total": H200, "mem_used": H200 - 19_080_421_376}]
+    assert doctor_resources.memory(cfg, 16_060_522_496, gpu, model=llama).verdict == "pass"
     gpu[0]["mem_used"] += 1
-    tight = doctor_resources.memory(cfg, 16_060_522_496, gpu)
+    tight = doctor_resources.memory(cfg, 16_060_522_496, gpu, model=llama)
     assert (tight.verdict, tight.fix) == (
         "fail",
         'use extract.backend = "vllm" with tensor_parallel_size to shard the weights, or free GPU memory',
     )
+    # Without the model's shape, activations and context are eyas init's 2 GiB planning margin.
+    gpu[0]["mem_used"] = H200 - 18_208_006_144
+    assert doctor_resources.memory(cfg, 16_060_522_496, gpu).data["need"] == 16_060_522_496 + 2 * 2**30
+    assert doctor_resources.memory(cfg, 16_060_522_496, gpu).verdict == "pass"
+    gpu[0]["mem_used"] += 1
+    assert doctor_resources.memory(cfg, 16_060_522_496, gpu).verdict == "fail"
     # CPU mode: the whole model in RAM plus a tenth (no CUDA context to allow for).
     assert doctor_resources.memory(cfg, 16_060_522_496, [], ram_available=17_666_574_745).verdict == "pass"
     cpu = doctor_resources.memory(cfg, 16_060_522_496, [], ram_available=17_666_574_744)
