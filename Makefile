@@ -26,7 +26,7 @@ CONSTRAINTS := constraints.txt
 OTHER_STAMPS := $(VENV)/.eyas-installed-cuda
 endif
 
-.PHONY: setup demo test bench lint clean
+.PHONY: setup demo test test-deps bench lint clean
 
 setup: $(STAMP)
 
@@ -55,8 +55,21 @@ endif
 demo: $(STAMP)
 	$(VENV)/bin/eyas demo
 
-test: $(STAMP)
+test: $(STAMP) test-deps
 	$(PY) -m pytest -q
+
+# The browser test of `eyas tui --serve` (tests/integration/tui/test_tui_serve.py) drives a real
+# headless Chromium: Debian's chromium and chromium-driver are installed here when missing and
+# this user may (root, or sudo without a password), quietly, once; elsewhere nothing is
+# installed and that test installs them itself or skips.
+test-deps:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then sudo=""; elif sudo -n true 2>/dev/null; then sudo="sudo -n"; else exit 0; fi; \
+	  command -v apt-get >/dev/null || exit 0; \
+	  $$sudo apt-get update -qq >/dev/null && \
+	  DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq chromium chromium-driver >/dev/null \
+	    || echo "make: could not install chromium and chromium-driver; the browser test will try again or skip" >&2; \
+	fi
 
 # ruff's rules and import-linter's contracts live in pyproject.toml.
 lint: $(STAMP)

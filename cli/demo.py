@@ -122,7 +122,11 @@ def command(args) -> int:
 
 def build_assets(target_dir: Path, console) -> bool:
     """Build the tiny target and the chats in a child process (it imports torch, we do not)."""
-    with console.status(f"building the tiny target and chat data in {target_dir} …"):
+    what = f"building the tiny target and chat data in {target_dir} …"
+    if not console.is_terminal:
+        # A spinner draws nothing in a pipe: one plain line says what the next minute is.
+        console.print(what, highlight=False, soft_wrap=True)
+    with console.status(what):
         proc = subprocess.run(
             [sys.executable, "-m", "eyas.workers.models.assets", str(target_dir), "--fit-steps", str(FIT_STEPS)],
             stdin=subprocess.DEVNULL,

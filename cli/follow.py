@@ -1,14 +1,30 @@
-"""`eyas submit --follow` and the demo: live progress of one run until it ends."""
+"""`eyas submit --follow` and the demo: one run's progress until it ends, as live bars on a terminal and as plain lines anywhere else.
+
+On a terminal, rich's live bars, one per stage. Anywhere else (a pipe, a file, a CI log), where
+rich's live display writes nothing until it stops: one timestamped line per stage change as it
+happens, and a progress line per running stage every EVERY_S seconds (`EYAS_FOLLOW_EVERY`
+overrides it). Either way, an attempt that fails is told root cause first, as the store has it
+(daemon/failures.py chose and ordered the records), its rank named as the TUI names it (`rank 2
+(TP worker 1)`, state/display.rank_label), then the attempt's other failures. The signals eyas
+sent while tearing the group down are no failure and are never printed: the daemon records
+those ranks as `killed`, and only their own failures become error records.
+"""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
+import time
 
-from eyas.state import paths, queries
+from eyas.state import display, paths, queries
 from eyas.state.display import duration as human_duration
 from eyas.wire.client import Client
 
 TERMINAL_RUN = ("succeeded", "failed", "cancelled")
+DONE_STAGE = ("succeeded", "skipped")
+# Seconds between two progress lines of a running stage when the output is not a terminal.
+EVERY_S = 10.0
 
 
 def _snapshot(run_id: int) -> dict:
@@ -19,85 +35,213 @@ def _snapshot(run_id: int) -> dict:
         db.close()
 
 
+def failure_lines(run_id: int, stage: str) -> list[str]:
+    """The stage's newest failed attempt, root cause first, then its other failures (one line
+    each), read from the store once the settlement that ordered them has committed."""
+    from .history import error_title
+
+    db = queries.connect(paths.db_path())
+    try:
+        rows = queries.errors(db, run_id, stage)
+    finally:
+        db.close()
+    if not rows:
+        return [f"{stage}: failed with no error recorded"]
+    newest = (rows[0]["stage"], rows[0]["attempt"])
+    lines = []
+    for e in (r for r in rows if (r["stage"], r["attempt"]) == newest):
+        what = "root cause" if e["root_cause"] else "also failed"
+        title = (error_title(e).splitlines() or [""])[0]
+        lines.append(f"{stage} attempt {e['attempt']} {what}: {display.rank_label(e)}: {title}")
+    return lines
+
+
+class Stages:
+    """What the follow knows of each stage: its state, progress and the figures shown beside it."""
+
+    def __init__(self, stages: list[dict]):
+        self.state = {s["name"]: s["state"] for s in stages}
+        self.progress = {s["name"]: 1.0 if s["state"] in DONE_STAGE else 0.0 for s in stages}
+        self.info = {s["name"]: s["state"] for s in stages}
+        self.reason = {s["name"]: s.get("reason") for s in stages}
+        self.since = {s["name"]: time.monotonic() for s in stages}
+        self._shown: dict[str, dict] = {}  # the latest loss, accuracy and validation loss of each stage
+
+    def moved(self, stage: str, to: str) -> None:
+        if to != self.state.get(stage):
+            self.since[stage] = time.monotonic()
+        self.state[stage] = to
+        self.info[stage] = to
+        if to in DONE_STAGE:
+            self.progress[stage] = 1.0
+
+    def metric(self, d: dict) -> None:
+        """A metric event: the stage's progress and its line of figures."""
+        stage = d["stage"]
+        live = d.get("live") or {}
+        bits = []
+        if live.get("tok_s"):
+            bits.append(f"{live['tok_s']:,.0f} tok/s")
+        latest = {s["name"]: s["value"] for s in d.get("samples", [])}
+        shown = self._shown.setdefault(stage, {})
+        if "loss" in latest:
+            shown.update(loss=latest["loss"], acc=latest.get("acc_0"))
+        if "val_loss" in latest:
+            shown["val"] = latest["val_loss"]
+        for key in ("accept_len", "baseline_accept_len"):
+            if key in latest:
+                shown[key] = latest[key]
+        for key, label in (
+            ("loss", "loss {:.4f}"),
+            ("acc", "acc₀ {:.2f}"),
+            ("val", "val {:.4f}"),
+            ("accept_len", "accept {:.2f}"),
+            ("baseline_accept_len", "untrained {:.2f}"),
+        ):
+            if shown.get(key) is not None:
+                bits.append(label.format(shown[key]))
+        if live.get("eta_s") is not None:
+            bits.append(f"ETA {human_duration(live['eta_s'])}")
+        self.progress[stage] = float(live.get("progress") or 0.0)
+        self.info[stage] = "running " + " · ".join(bits)
+
+
+class LiveView:
+    """rich's live bars, for a terminal."""
+
+    def __init__(self, console, stages: Stages):
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.stages = stages
+        self.bars = Progress(
+            TextColumn("{task.description:<10}"),
+            BarColumn(),
+            TextColumn("{task.percentage:>3.0f}%"),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=console,
+        )
+        self.tasks = {
+            name: self.bars.add_task(name, total=1.0, completed=stages.progress[name], info=stages.info[name])
+            for name in stages.state
+        }
+
+    def __enter__(self):
+        self.bars.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bars.__exit__(*exc)
+
+    def update(self, stage: str) -> None:
+        self.bars.update(self.tasks[stage], completed=self.stages.progress[stage], info=self.stages.info[stage])
+
+    def moved(self, stage: str, to: str, reason: str) -> None:
+        self.update(stage)
+
+    def failed(self, lines: list[str]) -> None:
+        for line in lines:
+            self.bars.console.print(line, style="red", markup=False, highlight=False)
+
+
+class PlainView:
+    """Plain lines, for a pipe or a file: stage changes as they come, and each running stage's
+    progress every `every` seconds from a thread of its own (a silent phase sends no event, and
+    a steady line says the follow is alive)."""
+
+    def __init__(self, out, stages: Stages, every: float):
+        self.out, self.stages, self.every = out, stages, every
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name="follow-progress", daemon=True)
+
+    def __enter__(self):
+        # Where the run stands as the follow begins (a stage may have started before it).
+        for stage, state in self.stages.state.items():
+            if state != "pending":
+                self.moved(stage, state, self.stages.reason.get(stage) or "")
+        self._ticker.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._ticker.join(timeout=5)
+
+    def write(self, line: str) -> None:
+        with self._lock:
+            self.out.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+            self.out.flush()
+
+    def update(self, stage: str) -> None:
+        """Progress waits for the next tick."""
+
+    def moved(self, stage: str, to: str, reason: str) -> None:
+        self.write(f"{stage}: {to}" + (f" ({reason})" if reason else ""))
+
+    def failed(self, lines: list[str]) -> None:
+        for line in lines:
+            self.write(line)
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.every):
+            for stage, state in list(self.stages.state.items()):
+                if state != "running":
+                    continue
+                took = human_duration(time.monotonic() - self.stages.since[stage])
+                info = self.stages.info[stage].removeprefix("running").strip(" ·")
+                self.write(f"{stage}: {self.stages.progress[stage]:.0%} after {took}" + (f" · {info}" if info else ""))
+
+
+def _every() -> float:
+    try:
+        return max(0.1, float(os.environ.get("EYAS_FOLLOW_EVERY") or EVERY_S))
+    except ValueError:
+        return EVERY_S
+
+
 def follow(run_id: int, console=None) -> int:
-    """Show stage bars, tok/s and loss until the run ends; 0 if it succeeded."""
+    """Follow the run until it ends, then print its summary; 0 if it succeeded."""
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = console or Console()
-    progress = Progress(
-        TextColumn("{task.description:<10}"),
-        BarColumn(),
-        TextColumn("{task.percentage:>3.0f}%"),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        console=console,
-    )
-    tasks: dict[str, int] = {}
-    shown: dict[str, dict] = {}  # the latest loss, accuracy and validation loss of each stage
     client = Client(timeout=None)
     events = client.subscribe(["state", "metric"], run=run_id)
     run = _snapshot(run_id)
-    for s in run["stages"]:
-        done = s["state"] in ("succeeded", "skipped")
-        tasks[s["name"]] = progress.add_task(s["name"], total=1.0, completed=1.0 if done else 0.0, info=s["state"])
+    stages = Stages(run["stages"])
+    if console.is_terminal:
+        view = LiveView(console, stages)
+    else:
+        view = PlainView(console.file or sys.stdout, stages, _every())
     final = run["state"] if run["state"] in TERMINAL_RUN else None
-    stop = threading.Event()
     try:
-        with progress:
+        with view:
             for ev in [] if final else events:
                 d = ev.data
                 if ev.event == "state":
-                    if d.get("entity") == "stage" and d.get("stage") in tasks:
-                        done = d["to_state"] in ("succeeded", "skipped")
-                        progress.update(tasks[d["stage"]], info=d["to_state"], **({"completed": 1.0} if done else {}))
-                    elif (
-                        d.get("entity") == "rank"
-                        and "killed" in (d.get("reason") or "")
-                        or d.get("entity") == "stage"
-                        and d.get("to_state") == "failed"
-                    ):
-                        progress.console.print(f"[red]{d.get('stage')}: {d.get('reason')}[/red]")
-                    if d.get("entity") == "run" and d.get("to_state") in TERMINAL_RUN:
-                        final = d["to_state"]
+                    entity, to, reason = d.get("entity"), d.get("to_state"), d.get("reason") or ""
+                    if entity == "stage" and d.get("stage") in stages.state:
+                        stage = d["stage"]
+                        restart = to == "running" and reason.startswith("restart ")
+                        if to == "failed" or restart:
+                            # The root cause first; the daemon's own summary of it follows only
+                            # as far as it says what happens next (a restart and its delay).
+                            view.failed(failure_lines(run_id, stage))
+                            reason = reason.split(" after ", 1)[0] if restart else ""
+                        stages.moved(stage, to)
+                        view.moved(stage, to, reason)
+                    elif entity == "attempt" and d.get("stage") in stages.state and to == "running":
+                        # A restart's attempt starts with no stage event (the stage stayed
+                        # running); the first attempt's start is the stage's own line.
+                        if (d.get("attempt") or 1) > 1:
+                            stages.moved(d["stage"], "running")
+                            stages.since[d["stage"]] = time.monotonic()
+                            view.moved(d["stage"], "running", reason)
+                    if entity == "run" and to in TERMINAL_RUN:
+                        final = to
                         break
-                elif ev.event == "metric" and d.get("stage") in tasks:
-                    live = d.get("live") or {}
-                    bits = []
-                    if live.get("tok_s"):
-                        bits.append(f"{live['tok_s']:,.0f} tok/s")
-                    latest = {s["name"]: s["value"] for s in d.get("samples", [])}
-                    if "loss" in latest:
-                        shown[d["stage"]] = {
-                            **shown.get(d["stage"], {}),
-                            "loss": latest["loss"],
-                            "acc": latest.get("acc_0"),
-                        }
-                    if "val_loss" in latest:
-                        shown[d["stage"]] = {**shown.get(d["stage"], {}), "val": latest["val_loss"]}
-                    for key in ("accept_len", "baseline_accept_len"):
-                        if key in latest:
-                            shown[d["stage"]] = {**shown.get(d["stage"], {}), key: latest[key]}
-                    for key, label in (
-                        ("loss", "loss {:.4f}"),
-                        ("acc", "acc₀ {:.2f}"),
-                        ("val", "val {:.4f}"),
-                        ("accept_len", "accept {:.2f}"),
-                        ("baseline_accept_len", "untrained {:.2f}"),
-                    ):
-                        value = shown.get(d["stage"], {}).get(key)
-                        if value is not None:
-                            bits.append(label.format(value))
-                    if live.get("eta_s") is not None:
-                        bits.append(f"ETA {human_duration(live['eta_s'])}")
-                    progress.update(
-                        tasks[d["stage"]],
-                        completed=float(live.get("progress") or 0.0),
-                        info="running " + " · ".join(bits),
-                    )
-    except KeyboardInterrupt:
-        stop.set()
-        raise
+                elif ev.event == "metric" and d.get("stage") in stages.state:
+                    stages.metric(d)
+                    view.update(d["stage"])
     finally:
         client.close()
     run = _snapshot(run_id)
@@ -128,8 +272,12 @@ def summary(run: dict, console) -> None:
             rc = a["root_cause"]
             if rc and a is s["attempt_list"][-1]:
                 console.print(
-                    f"[red]{s['name']} attempt {a['number']}: rank {rc['rank']} {rc['type']}"
-                    f"{': ' + rc['message'] if rc['message'] else ''}[/red]"
+                    f"{s['name']} attempt {a['number']}: {display.rank_label(rc)} {rc['type']}"
+                    f"{': ' + rc['message'] if rc['message'] else ''}",
+                    style="red",
+                    markup=False,
+                    highlight=False,
+                    soft_wrap=True,  # one line in a pipe too, for grep
                 )
     for s in run["stages"]:
         outputs = (s.get("summary") or {}).get("outputs") or []

@@ -58,6 +58,9 @@ ERROR_KEYS = [
     "source",
     "path",
     "traceback",
+    # Which process of a vLLM driver it was: role "tp-worker" with its TP rank (else both null).
+    "role",
+    "tp_rank",
 ]
 
 
@@ -315,7 +318,7 @@ def _failure(attempt: dict) -> str:
     if err is None:
         return ": no error recorded" + (f" ({attempt['reason']})" if attempt.get("reason") else "")
     first = error_title(err).splitlines()[0]
-    return f", rank {out.text(err['rank'])}: {first}"
+    return f", {display.rank_label(err)}: {first}"
 
 
 def errors(args) -> int:
@@ -350,7 +353,7 @@ def error_lines(rows: list[dict]) -> list[str]:
         if (e["stage"], e["attempt"]) != group:
             group = (e["stage"], e["attempt"])
             lines += ([""] if lines else []) + [f"{e['stage']} attempt {e['attempt']}:"]
-        where = [f"rank {out.text(e['rank'])}"]
+        where = [display.rank_label(e)]
         where += [f"pid {e['pid']}"] if e["pid"] is not None else []
         where += [f"on {e['host']}"] if e["host"] else []
         where += [display.local_second(e["time"])]

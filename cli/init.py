@@ -48,7 +48,11 @@ DOCTOR_CHECKS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("data", ("rows",), "each file prepare reads: encoding, binary, over-long rows, the first rows parse"),
     ("target", ("config.json", "weights", "trust_remote_code"), "shape, safetensors index and shards, custom code"),
     ("layer ids", ("layer ids",), "the ids against the target's depth"),
-    ("resources", ("gpus", "memory", "disk", "output dir"), "weights ÷ TP + margin per GPU, hidden states' disk"),
+    (
+        "resources",
+        ("gpus", "memory", "disk", "output dir"),
+        "weights ÷ TP + activations + KV cache + CUDA context per GPU, hidden states' disk",
+    ),
     ("tokenizer", ("load", "assistant mask"), "the chat template's assistant-only mask on a two-turn probe"),
     ("adapter", ("architecture", "decoder", "embedding", "layer forward"), "the backend's classes, read from source"),
 )
@@ -106,13 +110,15 @@ def _read_target(path: Path):
     return facts, target.remote_code(facts, False)
 
 
-def _gpus(args) -> tuple[int, int | None, str]:
-    """(GPUs, bytes of memory per GPU or None, where those figures come from)."""
+def _gpus(args) -> tuple[int, int | None, str, str]:
+    """(GPUs, bytes of memory per GPU or None, where those figures come from, the GPU's name or
+    "" when NVML does not give it: vLLM's batch defaults, which the memory need grows with, read
+    it; "" sizes for the larger of them)."""
     memory = int(args.gpu_memory * 1e9) if args.gpu_memory is not None else None
     if args.gpus == 0:
-        return 0, None, "--gpus 0: CPU mode"
+        return 0, None, "--gpus 0: CPU mode", ""
     if args.gpus is not None and memory is not None:
-        return args.gpus, memory, f"--gpus {args.gpus} of --gpu-memory {human_bytes(memory)}"
+        return args.gpus, memory, f"--gpus {args.gpus} of --gpu-memory {human_bytes(memory)}", ""
     from eyas.workers.doctor.resources import probe_gpus
 
     found = probe_gpus()
@@ -123,7 +129,13 @@ def _gpus(args) -> tuple[int, int | None, str]:
             raise InitError(2, "--gpu-memory without GPUs: no GPU is visible here; add --gpus N for the run's host")
         # GpuProbe's reason ends in what it means for the daemon's metrics, which is not news here.
         why = (found.why or "NVML lists none").partition("): GPU metrics off")[0].removeprefix("no NVML (")
-        return 0, None, f"no GPU visible ({why}): CPU mode; --gpus N --gpu-memory GB writes a config for a GPU host"
+        return (
+            0,
+            None,
+            f"no GPU visible ({why}): CPU mode; --gpus N --gpu-memory GB writes a config for a GPU host",
+            "",
+        )
+    name = ""
     if memory is None:
         if not devices:
             raise InitError(
@@ -134,12 +146,17 @@ def _gpus(args) -> tuple[int, int | None, str]:
         # The smallest, since a shard must fit whichever GPU it lands on; the total, not the free
         # memory, since this sizes the run for the host (doctor checks the free memory before it).
         small = min(devices, key=lambda d: d["mem_total"])
-        memory = small["mem_total"]
-        where = f"the smallest: GPU {small['index']}, {small['name']}"
+        memory, name = small["mem_total"], small.get("name") or ""
+        where = f"the smallest: GPU {small['index']}, {name}"
     else:
         where = "--gpu-memory"
     counted = "--gpus" if args.gpus is not None else "NVML"
-    return count, memory, f"{count} GPU{'s' if count != 1 else ''} ({counted}), {human_bytes(memory)} each ({where})"
+    return (
+        count,
+        memory,
+        f"{count} GPU{'s' if count != 1 else ''} ({counted}), {human_bytes(memory)} each ({where})",
+        name,
+    )
 
 
 def _data_tokens(path: Path) -> int | None:
@@ -163,7 +180,58 @@ def _dtype(cfg: dict) -> tuple[str, str]:
     return "bfloat16", f"{found}; bfloat16, what current GPUs compute in"
 
 
-def render(args, facts, remote, gpus: int, gpu_memory: int | None, gpu_source: str, out: Path) -> str:
+def memory_judge(
+    model: dict[str, Any] | None,
+    weight_bytes: int,
+    gpu_memory: int,
+    gpu_name: str = "",
+    *,
+    target: str = "/target",
+    data: str = "/data.jsonl",
+    dtype: str = "bfloat16",
+    max_length: int | None = None,
+) -> initplan.Judge:
+    """`eyas doctor`'s memory check as initplan's Judge: for a TP, the run config init would
+    write with it (extract on the hf backend at TP 1, on vLLM above; no engine options), its
+    Engine as the doctor derives it (resources.engine_of), the doctor's estimate of one idle GPU
+    of `gpu_memory` bytes, and the doctor's room there: on vLLM the installed vLLM's default
+    gpu_memory_utilization × the card (vLLM's budget), on hf the whole card (its free memory).
+    `model`: the target's config.json, which sizes activations and the KV cache."""
+    from eyas.workers.doctor import resources
+
+    shape = resources.shape_of(model)
+    gpu = {"index": 0, "name": gpu_name, "mem_total": gpu_memory, "mem_used": 0}
+    util, util_from = resources.vllm_default_utilization()
+    data_cfg = (
+        runconfig.DataConfig(path=data)
+        if max_length is None
+        else runconfig.DataConfig(path=data, max_length=max_length)
+    )
+
+    def judge(tp: int) -> initplan.Fit:
+        backend = "vllm" if tp > 1 else "hf"
+        cfg = runconfig.RunConfig(
+            name="init",
+            target=runconfig.TargetConfig(path=target, dtype=dtype),
+            data=data_cfg,
+            extract=runconfig.ExtractConfig(backend=backend, tensor_parallel_size=tp),
+        )
+        engine = resources.engine_of(cfg)
+        need = resources.estimate(engine, shape, weight_bytes, gpu)
+        if backend == "vllm":  # resources.memory: need ≤ int(util × total) ≤ free
+            room = int(util * gpu_memory)
+            room_text = f"what vLLM may use, {util:.2f} × {human_bytes(gpu_memory)} = {human_bytes(room)} ({util_from})"
+        else:  # need ≤ free, all of an idle card
+            room = gpu_memory
+            room_text = f"the {human_bytes(gpu_memory)} of one GPU (the hf backend may use all of it)"
+        return initplan.Fit(need.total, room, resources.arithmetic(need, engine), room_text)
+
+    return judge
+
+
+def render(
+    args, facts, remote, gpus: int, gpu_memory: int | None, gpu_source: str, out: Path, gpu_name: str = ""
+) -> str:
     """The config's text. Raises initplan.NoFit when the target fits no TP the GPUs allow."""
     from eyas.workers.doctor.target import INDEX, SINGLE, explain_layer_ids
     from eyas.workers.doctor.versions import PACKAGES
@@ -171,7 +239,6 @@ def render(args, facts, remote, gpus: int, gpu_memory: int | None, gpu_source: s
     cfg, n = facts.config, facts.num_layers
     heads = text_value(cfg, "num_attention_heads")
     heads = heads if isinstance(heads, int) and heads > 0 else None
-    plan = initplan.place(facts.weight_bytes, gpus, gpu_memory, heads)
     ids = list(default_layer_ids(n))
     dtype, dtype_why = _dtype(cfg)
     width = {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
@@ -183,6 +250,19 @@ def render(args, facts, remote, gpus: int, gpu_memory: int | None, gpu_source: s
     length_why = "tokens per sample after truncation (hidden-state disk grows with it)"
     if isinstance(positions, int) and 16 <= positions < max_length:
         max_length, length_why = positions, f"the target's max_position_embeddings; {length_why}"
+    judge = None
+    if gpus and gpu_memory is not None and facts.weight_bytes is not None:
+        judge = memory_judge(
+            cfg,
+            facts.weight_bytes,
+            gpu_memory,
+            gpu_name,
+            target=str(Path(facts.path).absolute()),
+            data=str(data_path),
+            dtype=dtype,
+            max_length=max_length,
+        )
+    plan = initplan.place(gpus, judge, gpu_memory, heads)
     fraction = defaults_data["validation_fraction"].default
     ranks = max(plan.gpus, 1)
     tokens = _data_tokens(data_path)
@@ -346,7 +426,7 @@ def command(args) -> int:
         if out.exists():
             raise _exists(out)
         facts, remote = _read_target(target)
-        gpus, gpu_memory, source = _gpus(args)
+        gpus, gpu_memory, source, gpu_name = _gpus(args)
         if gpus and facts.weight_bytes is None:
             raise InitError(
                 2,
@@ -354,7 +434,7 @@ def command(args) -> int:
                 "sizes the tensor parallelism; use a safetensors checkpoint (or --gpus 0 for CPU)",
             )
         try:
-            text = render(args, facts, remote, gpus, gpu_memory, source, out)
+            text = render(args, facts, remote, gpus, gpu_memory, source, out, gpu_name)
         except initplan.NoFit as exc:
             raise InitError(
                 1, f"{exc}; no file written. Run on more or larger GPUs (--gpus N --gpu-memory GB describe them)"

@@ -4,30 +4,48 @@ No file, no NVML, no engine: cli/init.py reads the target and counts the GPUs, t
 decides, and its tests feed it numbers. Every decision carries the sentence that justifies it,
 which init writes beside the key.
 
-The fit rule: a shard of ceil(weights ÷ TP) bytes plus MARGIN must fit in vLLM's budget,
-gpu_memory_utilization (0.9, vLLM's default, which eyas leaves as it is) × the GPU's memory.
-The 10 % vLLM leaves outside its budget holds the CUDA context; MARGIN, inside it, holds the
-activations of a prefill batch and a minimal KV cache. A TP chosen so also passes `eyas doctor`'s
-memory check on idle GPUs (weights ÷ TP + max(MARGIN, 10 % of that) ≤ free memory), since
-w + MARGIN ≤ 0.9·M implies both w + MARGIN ≤ M and 1.1·w ≤ 0.99·M.
+The fit rule is `eyas doctor`'s memory check, not one of init's own: for each TP, init asks a
+`Judge` (cli/init.py builds it on workers/doctor/resources.py's estimate) what one GPU of the
+extraction the config describes would need and what the engine may use there, and picks the
+smallest TP whose need is within it. So what init picks passes the doctor's memory check on
+idle GPUs, and init refuses exactly when no TP up to the GPU count does.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from eyas.workers.doctor.check import human_bytes
-from eyas.workers.doctor.resources import KV_MARGIN_MIN
 
-GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default gpu_memory_utilization
-MARGIN = KV_MARGIN_MIN  # the doctor's floor for the KV cache and activations, per GPU
 DRAFT_VOCAB = 32000  # EAGLE-3's usual draft vocabulary (speculators' default)
 WARMUP_FRACTION = 0.05  # of the optimizer steps
 
 
 class NoFit(ValueError):
     """No tensor-parallel size the GPUs allow holds the target; the message says by how much."""
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One GPU of the extraction at one TP, as the doctor's memory check judges it."""
+
+    need: int  # bytes one GPU needs (the doctor's Need.total)
+    room: int  # bytes the engine may use there (vLLM: gpu_memory_utilization × the card; hf: the card)
+    arithmetic: str  # the need in parts: "weights 68.38 GB/GPU (547.00 GB ÷ TP 8) + ... = 74.29 GB"
+    room_text: str  # the room and its source: "what vLLM may use, 0.92 × 80.00 GB = 73.60 GB (...)"
+
+    @property
+    def fits(self) -> bool:
+        return self.need <= self.room
+
+    def sentence(self) -> str:
+        return f"{self.arithmetic}, {'within' if self.fits else 'over'} {self.room_text}"
+
+
+# What one GPU needs at a TP, and what it may use: TP 1 on the hf backend, a larger TP on vLLM.
+Judge = Callable[[int], Fit]
 
 
 @dataclass(frozen=True)
@@ -38,20 +56,6 @@ class Placement:
     tp: int  # extract.tensor_parallel_size
     gpus: int  # GPUs the run uses; 0: CPU mode
     why: str
-
-
-def budget(gpu_memory: int) -> float:
-    """The bytes vLLM lets itself use on one GPU of `gpu_memory` bytes."""
-    return GPU_MEMORY_UTILIZATION * gpu_memory
-
-
-def shard(weight_bytes: int, tp: int) -> int:
-    """Weight bytes per GPU at tensor-parallel size `tp` (rounded up: no GPU holds less)."""
-    return -(-weight_bytes // tp)
-
-
-def fits(weight_bytes: int, tp: int, gpu_memory: int) -> bool:
-    return shard(weight_bytes, tp) + MARGIN <= budget(gpu_memory)
 
 
 def tp_sizes(gpus: int, heads: int | None = None) -> list[int]:
@@ -66,48 +70,40 @@ def tp_sizes(gpus: int, heads: int | None = None) -> list[int]:
     return sizes
 
 
-def _arithmetic(weight_bytes: int, tp: int, gpu_memory: int) -> str:
-    split = f"{human_bytes(weight_bytes)} of weights" + (
-        f" ÷ {tp} = {human_bytes(shard(weight_bytes, tp))}" if tp > 1 else ""
-    )
-    return (
-        f"{split} + {human_bytes(MARGIN)} margin per GPU, "
-        f"{'within' if fits(weight_bytes, tp, gpu_memory) else 'over'} {human_bytes(budget(gpu_memory))} "
-        f"({GPU_MEMORY_UTILIZATION} × {human_bytes(gpu_memory)})"
-    )
-
-
-def place(weight_bytes: int | None, gpus: int, gpu_memory: int | None, heads: int | None = None) -> Placement:
-    """The smallest power-of-two TP whose shard fits one GPU; raise NoFit when none up to `gpus` does.
+def place(gpus: int, judge: Judge | None, gpu_memory: int | None = None, heads: int | None = None) -> Placement:
+    """The smallest power-of-two TP whose GPU `judge` says fits; raise NoFit when none up to `gpus` does.
 
     TP 1 runs on the transformers backend (`hf`), data parallel with one model per GPU, so a
     target that fits one GPU uses them all; a larger TP needs vLLM (the extract stage's path for
-    targets that need several GPUs). Without GPUs the run is on CPU: `hf`, TP 1.
+    targets that need several GPUs). Without GPUs the run is on CPU: `hf`, TP 1. `gpu_memory`
+    (bytes per GPU) only names the GPUs in NoFit's message.
     """
     if gpus <= 0:
         return Placement("hf", 1, 0, "no GPU: CPU mode, where the transformers backend runs one model per rank")
-    if weight_bytes is None or gpu_memory is None:
-        raise ValueError("weight_bytes and gpu_memory are needed to place a target on GPUs")
+    if judge is None:
+        raise ValueError("a judge of each TP's memory is needed to place a target on GPUs")
     sizes = tp_sizes(gpus, heads)
+    fits: dict[int, Fit] = {}
     for tp in sizes:
-        if not fits(weight_bytes, tp, gpu_memory):
+        fits[tp] = fit = judge(tp)
+        if not fit.fits:
             continue
         if tp == 1:
             spread = f", data parallel over {gpus} GPUs" if gpus > 1 else ""
-            why = f"tp 1: {_arithmetic(weight_bytes, 1, gpu_memory)}: one GPU holds it whole, so the hf backend{spread}"
+            why = f"tp 1: {fit.sentence()}: one GPU holds it whole, so the hf backend{spread}"
             return Placement("hf", 1, gpus, why)
         smaller = max(t for t in sizes if t < tp)
         why = (
-            f"tp {tp}: {_arithmetic(weight_bytes, tp, gpu_memory)}; tp {smaller} would need "
-            f"{human_bytes(shard(weight_bytes, smaller) + MARGIN)} per GPU, over that"
+            f"tp {tp}: {fit.sentence()}; tp {smaller} would need "
+            f"{human_bytes(fits[smaller].need)} per GPU, over {fits[smaller].room_text}"
         )
         return Placement("vllm", tp, gpus, why)
     largest = sizes[-1]
     limit = f" (and dividing its {heads} attention heads)" if heads is not None and largest < _pow2_floor(gpus) else ""
+    of = f" of {human_bytes(gpu_memory)}" if gpu_memory is not None else ""
     raise NoFit(
-        f"the target does not fit {gpus} GPU{'s' if gpus != 1 else ''} of {human_bytes(gpu_memory)}: "
-        f"at tp {largest}, the largest power of two up to {gpus}{limit}, "
-        f"{_arithmetic(weight_bytes, largest, gpu_memory)}"
+        f"the target does not fit {gpus} GPU{'s' if gpus != 1 else ''}{of}: "
+        f"at tp {largest}, the largest power of two up to {gpus}{limit}, {fits[largest].sentence()}"
     )
 
 

@@ -135,6 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tui", help="the terminal UI")
     t.add_argument("run", type=int, nargs="?")
     t.add_argument("--readonly", action="store_true", help="hide and refuse every control")
+    t.add_argument(
+        "--serve", action="store_true", help="serve the TUI to a browser on 127.0.0.1, at a URL with a random token"
+    )
+    t.add_argument("--port", type=int, help="with --serve: the port to listen on (default: a free one)")
+    t.add_argument("--host", help="with --serve: the address to bind (default 127.0.0.1; loopback only)")
+    t.add_argument(
+        "--i-know-this-is-not-loopback",
+        dest="not_loopback",
+        action="store_true",
+        help="with --serve --host: allow an address other machines can reach (plain HTTP; a warning is printed)",
+    )
     return parser
 
 

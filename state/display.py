@@ -70,3 +70,12 @@ def exit_text(rank: dict) -> str:
     if rank.get("exit_code") is not None:
         return f"exit {rank['exit_code']}" + oom
     return ""
+
+
+def rank_label(rank: dict) -> str:
+    """Who a rank or error record is: `rank 2`, or `rank 2 (TP worker 1)` for a vLLM
+    driver's tensor-parallel worker (role "tp-worker"), as the TUI and the CLI both name it."""
+    label = f"rank {'–' if rank.get('rank') is None else rank['rank']}"
+    if rank.get("role") == "tp-worker":
+        label += f" (TP worker {'?' if rank.get('tp_rank') is None else rank['tp_rank']})"
+    return label

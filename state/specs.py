@@ -118,7 +118,8 @@ class EvaluateOptions(Table):
     ] = Field(default_factory=dict)
 
 
-FailMode = Literal["raise", "raise-empty", "exit", "segfault", "sigkill", "children", "hang"]
+# "tp-worker": the rank stands for a vLLM driver whose TP worker 1 raises (workers/stages/selftest.py).
+FailMode = Literal["raise", "raise-empty", "exit", "segfault", "sigkill", "children", "hang", "tp-worker"]
 GlooTeardown = Literal["naive", "safe"]
 FAIL_MODES: tuple[str, ...] = get_args(FailMode)
 GLOO_TEARDOWNS: tuple[str, ...] = get_args(GlooTeardown)

@@ -12,6 +12,7 @@
     logwatch.py     LogWatcher: the indexing and scanning thread
     procs.py        ProcWatch: processes under a live rank (TP workers), via psutil
     format.py       badges, figures, sparklines and bars as rich Text
+    serve.py        `eyas tui --serve`: the app in a browser (textual-serve), loopback, behind a token
 
 It imports only eyas.wire (client, protocol) and the read-only parts of eyas.state.
 """

@@ -150,7 +150,19 @@ async def _wait(event, timeout: float) -> None:
 
 
 def command(args) -> int:
-    """The `eyas tui [RUN] [--readonly]` entry point."""
+    """The `eyas tui [RUN] [--readonly] [--serve [--port P] [--host H]]` entry point."""
+    serving = getattr(args, "serve", False)
+    if not serving and (
+        getattr(args, "host", None) or getattr(args, "port", None) or getattr(args, "not_loopback", False)
+    ):
+        print("eyas tui: --host, --port and --i-know-this-is-not-loopback go with --serve", file=sys.stderr)
+        return 2
+    if serving:
+        from .serve import DEFAULT_HOST, check_bind
+
+        refused = check_bind(args.host or DEFAULT_HOST, bool(args.not_loopback))
+        if refused is not None:
+            return refused
     home = paths.state_dir()
     probe = History(home)
     try:
@@ -163,6 +175,10 @@ def command(args) -> int:
         return 2
     finally:
         probe.close()
+    if serving:
+        from .serve import serve
+
+        return serve(args, home)
     app = EyasApp(home, run_id=args.run, readonly=bool(args.readonly))
     app.run()
     return app.return_code or 0

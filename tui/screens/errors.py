@@ -32,9 +32,7 @@ def copy_text(err: dict) -> str:
 
 
 def error_body(err: dict) -> Group:
-    where = [f"rank {err['rank'] if err['rank'] is not None else '–'}"]
-    if err.get("role") == "tp-worker":
-        where[0] += f" (TP worker {err.get('tp_rank')})"
+    where = [display.rank_label(err)]
     where += [f"pid {err['pid']}"] if err["pid"] is not None else []
     where += [f"on {err['host']}"] if err["host"] else []
     where += [display.local_second(err["time"])]
@@ -127,7 +125,7 @@ class ErrorsScreen(EyasScreen):
     def _collapsed(self, err: dict, with_attempt: bool = False) -> Collapsible:
         mark = "root cause · " if err["root_cause"] else ""
         where = f"{err['stage']} attempt {err['attempt']} · " if with_attempt else ""
-        title = f"{where}{mark}rank {err['rank'] if err['rank'] is not None else '–'} · {error_title(err)}"
+        title = f"{where}{mark}{display.rank_label(err)} · {error_title(err)}"
         c = Collapsible(Static(error_body(err)), title=title[:200], collapsed=True)
         c.error = err
         return c

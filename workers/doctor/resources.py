@@ -36,7 +36,7 @@ GROUP = "resources"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Without the model's shape (config.json lacks hidden_size or num_hidden_layers; callers that
 # pass only a weight size) activations, KV cache and CUDA context are taken together as this
-# floor: the margin `eyas init` plans with (cli/initplan.py MARGIN), so what init picks passes.
+# floor (eyas init judges its TP with this same estimate, so what init picks passes).
 KV_MARGIN_MIN = 2 * 2**30
 # CPU mode: a tenth of the weights for activations, plus the KV cache vLLM's CPU build reserves
 # when VLLM_CPU_KVCACHE_SPACE (GiB) is set. No CUDA context there.
@@ -398,7 +398,7 @@ def estimate(
     )
 
 
-def _arithmetic(need: Need, engine: Engine) -> str:
+def arithmetic(need: Need, engine: Engine) -> str:
     """ "weights 74.38 GB/GPU (595.00 GB ÷ TP 8) + activations ... = 80.29 GB"."""
     source = f"{human_bytes(need.weights)}{' as fp8' if need.fp8 else ''}"
     split = f"({source} ÷ TP {need.tp})" if need.tp > 1 else f"({source})" if need.fp8 else ""
@@ -490,9 +490,9 @@ def memory(
         "total": total,
         "free": free,
     }
-    arithmetic = _arithmetic(need, engine)
+    arithmetic_text = arithmetic(need, engine)
     if not vllm:
-        detail = f"{arithmetic}; GPU {gpu['index']} has {human_bytes(free)} free"
+        detail = f"{arithmetic_text}; GPU {gpu['index']} has {human_bytes(free)} free"
         if need.total <= free:
             return passed(GROUP, "memory", detail, **data)
         return failed(
@@ -507,12 +507,12 @@ def memory(
         f"vLLM may use {util:.2f} × {human_bytes(total)} = {human_bytes(budget)} of GPU {gpu['index']} ({util_from})"
     )
     if need.total <= budget <= free:
-        return passed(GROUP, "memory", f"{arithmetic}; {may_use}, {human_bytes(free)} free", **data)
+        return passed(GROUP, "memory", f"{arithmetic_text}; {may_use}, {human_bytes(free)} free", **data)
     if need.total > budget:
-        detail = f"{arithmetic}, over what {may_use}"
+        detail = f"{arithmetic_text}, over what {may_use}"
     else:
         detail = (
-            f"{arithmetic}; {may_use}, but only {human_bytes(free)} is free there "
+            f"{arithmetic_text}; {may_use}, but only {human_bytes(free)} is free there "
             f"(other processes hold {human_bytes(gpu['mem_used'])}): vLLM refuses to start"
         )
     return failed(

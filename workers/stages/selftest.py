@@ -3,7 +3,7 @@
 It runs `steps` steps of `step_time` seconds, reports progress every step, can flood its log
 at a set rate, resumes where an earlier attempt stopped, and fails on demand in every way a
 real rank can: an exception, an empty exception, sys.exit, a segfault, SIGKILL, leftover
-child processes, or a hang. It can also misbehave the ways a rank hangs on its way out or
+child processes, a hang, or (as a vLLM driver) a TP worker's exception. It can also misbehave the ways a rank hangs on its way out or
 looks hung while alive: a long silent phase with only heartbeats (heartbeat_for), a rank that
 never returns after its steps (hang_at_end), a non-daemon thread left running (linger_thread),
 and the gloo teardown deadlock (gloo_teardown = "naive"; "safe" is eyas's teardown of the same
@@ -225,3 +225,24 @@ def _fail(mode: str, ctx, step: int) -> None:
         log.info("hanging")
         while True:
             time.sleep(3600)
+    if mode == "tp-worker":
+        # A vLLM driver's failure without vLLM: two stand-ins for its TP workers, registered
+        # and recording their errors through eyas's worker extension as real ones do; worker 1
+        # raises, and the driver waits on them, as vLLM's does, until the teardown ends it.
+        for k in range(2):
+            code = f"from eyas.workers.stages.selftest import tp_worker; tp_worker({k}, {k == 1})"
+            subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL)
+        while True:
+            time.sleep(3600)
+
+
+def tp_worker(tp_rank: int, fail: bool) -> None:
+    """One stand-in TP worker of the "tp-worker" fail mode: registered (tp-<k>.proc.json), then
+    raising uncaught (the extension's excepthook writes tp-<k>.error.json) or waiting."""
+    from eyas.workers.vllm import ext
+
+    ext.register(tp_rank)
+    time.sleep(0.5)  # the daemon sees it registered before it fails
+    if not fail:
+        threading.Event().wait()
+    raise RuntimeError(f"selftest TP worker {tp_rank} failure")

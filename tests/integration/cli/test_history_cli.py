@@ -575,6 +575,8 @@ def test_errors_json_stage_filter_and_bad_stage(home, eyas_cli):
         "source": "error_file",
         "path": "/runs/2/extract/attempt-1/rank-1.error.json",
         "traceback": ROOT_TB,
+        "role": None,
+        "tp_rank": None,
     }
     p = eyas_cli(h, "errors", "2", "--stage", "prepare")
     assert (p.returncode, p.stdout, p.stderr) == (0, "", "eyas errors: run 2 has no recorded errors in prepare\n")

@@ -17,6 +17,9 @@ import pytest
 from doctor_models import EYAS, H200, make_model, tokenizer_files  # noqa: F401 (tokenizer_files: fixture)
 
 from eyas.cli import init, initplan
+from eyas.state.runconfig import DataConfig, ExtractConfig, RunConfig, TargetConfig
+from eyas.workers.doctor import resources
+from eyas.workers.doctor.check import Check
 from eyas.workers.models import assets
 
 GB = 10**9
@@ -66,15 +69,52 @@ def eagle3_ids(n: int) -> list[int]:
     return [2, n // 2, n - 3, n]
 
 
-def smallest_fitting_tp(weights: int, gpus: int, memory: int) -> int | None:
-    """The definition init implements: the smallest power of two up to `gpus` whose shard plus
-    the margin fits vLLM's 0.9 of one GPU."""
+def _devices(n: int, total: int, name: str = "NVIDIA H100 80GB HBM3") -> list[dict]:
+    return [{"index": i, "name": name, "mem_total": total, "mem_used": 0} for i in range(n)]
+
+
+def doctor_memory(target: Path, tp: int, gpus: int, memory: int, name: str = "") -> Check:
+    """`eyas doctor`'s memory check of the extraction init would write at `tp` (hf at TP 1,
+    vLLM above) on `gpus` idle GPUs of `memory` bytes."""
+    config = json.loads((target / "config.json").read_text())
+    _, _, weights = model_facts(target)
+    run = RunConfig(
+        name="t",
+        target=TargetConfig(path=str(target)),
+        data=DataConfig(path="/data.jsonl"),
+        extract=ExtractConfig(backend="hf" if tp == 1 else "vllm", tensor_parallel_size=tp),
+    )
+    return resources.memory(run, weights, _devices(gpus, memory, name), model=config)
+
+
+def doctor_tp(target: Path, gpus: int, memory: int, name: str = "") -> int | None:
+    """The definition init implements: the smallest power of two up to `gpus` (dividing the
+    attention heads) whose extraction passes the doctor's memory check on idle GPUs."""
+    cfg = json.loads((target / "config.json").read_text())
+    heads = cfg.get("text_config", cfg).get("num_attention_heads")
     t = 1
     while t <= gpus:
-        if math.ceil(weights / t) + initplan.MARGIN <= initplan.GPU_MEMORY_UTILIZATION * memory:
+        if heads % t == 0 and doctor_memory(target, t, gpus, memory, name).verdict == "pass":
             return t
         t *= 2
     return None
+
+
+def doctor_on(tmp_path: Path, monkeypatch, nvml: dict) -> dict[str, Check]:
+    """The real `eyas doctor` checks of tmp_path/run.toml, by label, with GPUs from `nvml`."""
+    from eyas.workers.doctor import main as doctor
+
+    fake = tmp_path / "doctor-nvml.json"
+    fake.write_text(json.dumps(nvml))
+    monkeypatch.setenv("EYAS_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("EYAS_FAKE_NVML", str(fake))
+    return {c.label: c for c in doctor.diagnose(str(tmp_path / "run.toml"))}
+
+
+def extract_reason(text: str) -> str:
+    """The comment init writes above [extract]'s keys, its lines joined again."""
+    block = text.split("\n[extract]\n", 1)[1].split("\nbackend = ", 1)[0]
+    return " ".join(line.removeprefix("# ") for line in block.splitlines())
 
 
 def write_chats(root: Path) -> Path:
@@ -113,14 +153,30 @@ def test_demo_target_without_gpus_is_a_cpu_run_on_the_hf_backend(tmp_path, demo_
     ],
     ids=["nvml-h100", "547GB-80GB", "h200"],
 )
-def test_kimi_shaped_target_on_eight_gpus_is_sharded_with_vllm(tmp_path, total_size, flags, nvml):
+def test_kimi_shaped_target_on_eight_gpus_is_sharded_with_vllm_or_refused(
+    tmp_path, monkeypatch, total_size, flags, nvml
+):
+    """The TP (or the refusal) is what the doctor's memory check says: a 547 GB or 595 GB target
+    does not fit 8 × 80 GB within vLLM's budget, 595 GB fits 8 H200s at TP 8."""
     target = make_model(tmp_path, "kimi", _empty(tmp_path), total_size=total_size)
     write_chats(tmp_path)
-    run = init_and_validate(tmp_path, target, *flags, nvml=nvml)
     n, vocab, weights = model_facts(target)
     memory = H100 if nvml else int(float(flags[-1]) * GB)
-    tp = smallest_fitting_tp(weights, 8, memory)
-    assert tp is not None and tp > 1
+    name = nvml["devices"][0]["name"] if nvml else ""
+    tp = doctor_tp(target, 8, memory, name)
+    if tp is None:
+        at8 = doctor_memory(target, 8, 8, memory, name)
+        env = _env(tmp_path, nvml)
+        out = eyas("init", str(target), "--data", "chat.jsonl", *flags, "-o", "run.toml", env=env, cwd=tmp_path)
+        assert out.returncode == 1, out.stderr
+        assert f"does not fit 8 GPUs of {memory / GB:.2f} GB" in out.stderr and "no file written" in out.stderr
+        # The doctor's own arithmetic at the largest TP, and its verdict.
+        assert at8.detail.partition(", over what")[0] in out.stderr
+        assert "over what vLLM may use" in out.stderr
+        assert not (tmp_path / "run.toml").exists()
+        return
+    run = init_and_validate(tmp_path, target, *flags, nvml=nvml)
+    assert tp > 1
     assert run["extract"] == {
         "backend": "vllm",
         "tensor_parallel_size": tp,
@@ -131,16 +187,23 @@ def test_kimi_shaped_target_on_eight_gpus_is_sharded_with_vllm(tmp_path, total_s
     assert run["stages"] == {"extract": {"ranks": 1}}  # the vllm backend is one driver rank
     assert run["draft"]["vocab_size"] == min(initplan.DRAFT_VOCAB, vocab)
     assert run["target"]["trust_remote_code"] is True  # its auto_map names its own code
-    text = (tmp_path / "run.toml").read_text()
-    # The reason beside the key, with the figures it rests on.
-    assert f"# tp {tp}: {weights / GB:.2f} GB of weights ÷ {tp} = {math.ceil(weights / tp) / GB:.2f} GB" in text
+    # `eyas doctor` on the file, on the GPUs it was written for: the memory check passes, and the
+    # reason init wrote above tensor_parallel_size is that check's own arithmetic.
+    memory_check = doctor_on(tmp_path, monkeypatch, {"devices": _devices(8, memory, name)})["resources: memory"]
+    assert memory_check.verdict == "pass", memory_check.detail
+    assert memory_check.data["tp"] == tp
+    arithmetic = memory_check.detail.partition(";")[0]
+    assert arithmetic.startswith(f"weights {math.ceil(weights / tp) / GB:.2f} GB/GPU ({weights / GB:.2f} GB ÷ TP {tp})")
+    assert extract_reason((tmp_path / "run.toml").read_text()).startswith(
+        f"tp {tp}: {arithmetic}, within what vLLM may use, "
+    )
 
 
 def test_kimi_shaped_target_that_fits_no_tp_is_refused_and_nothing_is_written(tmp_path):
     target = make_model(tmp_path, "kimi", _empty(tmp_path))
     write_chats(tmp_path)
-    _, _, weights = model_facts(target)
-    assert smallest_fitting_tp(weights, 8, 80 * GB) is None
+    assert doctor_tp(target, 8, 80 * GB) is None
+    assert doctor_memory(target, 8, 8, 80 * GB).verdict == "fail"
     env = _env(tmp_path, None)
     flags = ("--gpus", "8", "--gpu-memory", "80", "-o", "run.toml")
     out = eyas("init", str(target), "--data", "chat.jsonl", *flags, env=env, cwd=tmp_path)
@@ -150,13 +213,15 @@ def test_kimi_shaped_target_that_fits_no_tp_is_refused_and_nothing_is_written(tm
 
 
 @pytest.mark.parametrize(("gpus", "memory"), [(1, 24), (8, 80), (2, 16)])
-def test_llama_shaped_target(tmp_path, gpus, memory):
+def test_llama_shaped_target(tmp_path, monkeypatch, gpus, memory):
     target = make_model(tmp_path, "llama", _empty(tmp_path))
     write_chats(tmp_path)
     run = init_and_validate(tmp_path, target, "--gpus", str(gpus), "--gpu-memory", str(memory))
     n, vocab, weights = model_facts(target)
-    tp = smallest_fitting_tp(weights, gpus, memory * GB)
+    tp = doctor_tp(target, gpus, memory * GB)
     assert run["extract"]["tensor_parallel_size"] == tp
+    checks = doctor_on(tmp_path, monkeypatch, {"devices": _devices(gpus, memory * GB, "")})
+    assert checks["resources: memory"].verdict == "pass", checks["resources: memory"].detail
     assert run["extract"]["backend"] == ("hf" if tp == 1 else "vllm")
     assert run["extract"]["layer_ids"] == eagle3_ids(n)
     assert run["resources"] == {"ranks": gpus, "devices": list(range(gpus))}
