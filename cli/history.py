@@ -120,6 +120,23 @@ def _load(run_id: int):
         return None, None
 
 
+def load_stage_scoped(args, command: str):
+    """(connection, run) for a command on `args.run` limited to `args.stage`; (None, None) after
+    saying why on stderr when the run, or that stage of it, does not exist."""
+    db, run = _load(args.run)
+    if run is None:
+        print(f"eyas: no run {args.run}", file=sys.stderr)
+        return None, None
+    names = [s["name"] for s in run["stages"]]
+    if args.stage and args.stage not in names:
+        print(
+            f"eyas {command}: run {args.run} has no stage {args.stage!r} (its stages: {', '.join(names)})",
+            file=sys.stderr,
+        )
+        return None, None
+    return db, run
+
+
 def show(args) -> int:
     """One run: header, stages, failed attempts' root causes, ranks, outputs."""
     _, run = _load(args.run)
@@ -323,15 +340,8 @@ def _failure(attempt: dict) -> str:
 
 def errors(args) -> int:
     """A run's errors, latest attempt first, its root cause first and marked."""
-    db, run = _load(args.run)
+    db, run = load_stage_scoped(args, "errors")
     if run is None:
-        print(f"eyas: no run {args.run}", file=sys.stderr)
-        return 1
-    names = [s["name"] for s in run["stages"]]
-    if args.stage and args.stage not in names:
-        print(
-            f"eyas errors: run {args.run} has no stage {args.stage!r} (its stages: {', '.join(names)})", file=sys.stderr
-        )
         return 1
     rows = queries.errors(db, args.run, args.stage)
     if args.fmt in ("json", "csv", "nl"):

@@ -15,7 +15,7 @@ import sys
 from eyas.state import display, queries
 
 from . import output as out
-from .history import _load, open_store
+from .history import load_stage_scoped, open_store
 
 SUMMARY_COLUMNS = [
     out.Column("stage"),
@@ -39,16 +39,8 @@ def _fig(v) -> str:
 
 def command(args) -> int:
     """List a run's series, or write its samples (--csv, --json, --nl)."""
-    db, run = _load(args.run)
+    db, run = load_stage_scoped(args, "metrics")
     if run is None:
-        print(f"eyas: no run {args.run}", file=sys.stderr)
-        return 1
-    names = [s["name"] for s in run["stages"]]
-    if args.stage and args.stage not in names:
-        print(
-            f"eyas metrics: run {args.run} has no stage {args.stage!r} (its stages: {', '.join(names)})",
-            file=sys.stderr,
-        )
         return 1
     if args.points is not None and args.points < 1:
         print(f"eyas metrics: --points {args.points}: use a positive number", file=sys.stderr)

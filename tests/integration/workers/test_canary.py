@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -16,10 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemon_harness import Daemon, short_tmp
 from runtoml import run_toml
 from safetensors.torch import save_file
-from vllm_world import VLLM_ENV, build_models, token_rows, write_dataset, write_extensions
+from vllm_world import VLLM_ENV, build_models, token_rows, vllm_daemon, write_dataset, write_extensions
 
 from eyas.state import runconfig
 from eyas.workers.canary import run as canary
@@ -43,17 +41,9 @@ def ext_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vdaemon(ext_dir):
-    home = short_tmp()
-    env = {**VLLM_ENV, "PYTHONPATH": os.pathsep.join([str(ext_dir), os.environ.get("PYTHONPATH", "")])}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EYAS_HOME", str(home))
-        mp.setenv("XDG_RUNTIME_DIR", str(home / "rt"))
-        d = Daemon(home, grace=5.0, extra_env=env)
-        try:
-            yield d.start()
-        finally:
-            d.cleanup()
-            shutil.rmtree(home, ignore_errors=True)
+    """A real daemon whose ranks find the test extensions and keep vLLM's CPU cache small."""
+    with vllm_daemon(ext_dir) as d:
+        yield d
 
 
 def extract_run(name: str, out: Path, target: Path, tp: int, extension: str | None = None, backend="vllm") -> str:
@@ -96,7 +86,9 @@ def test_the_seeds_bug_fails_in_the_preflight_canary_before_any_full_load(vdaemo
     log = Path(attempt["dir"], "rank-0.log").read_text()
     # The canary ran the run's own extension on the shrunken copy, with dummy weights.
     assert "canary: vllm backend at TP 2, seed_ext.Speculators030Worker, dummy weights; 4 of 8 layers" in log
-    assert elapsed < 60, f"the canary took {elapsed:.1f} s from submit"
+    # The time is printed, not asserted: a test is no benchmark, and a loaded machine stretches
+    # it (36.5 s alone on 2 cores, 96 s beside a full test run). That the full load never
+    # started is asserted above, from the record and the output folder.
 
 
 def test_a_sound_run_passes_the_canary_then_extracts(vdaemon, models, tmp_path):

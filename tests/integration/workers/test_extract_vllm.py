@@ -12,7 +12,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,11 +22,11 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from daemon_harness import Daemon, short_tmp, wait_for
+from daemon_harness import Daemon, wait_for
 from rank_context import rank_context
 from runtoml import extract_toml
 from safetensors.torch import load_file
-from vllm_world import VLLM_ENV, build_models, token_rows, write_dataset, write_extensions
+from vllm_world import VLLM_ENV, build_models, token_rows, vllm_daemon, write_dataset, write_extensions
 
 from eyas.daemon import logsplit
 from eyas.state import queries, runconfig, schema, store
@@ -637,18 +636,8 @@ def run_toml(
 @pytest.fixture(scope="module")
 def vdaemon(ext_dir):
     """A real daemon whose ranks find the test extensions and keep vLLM's CPU cache small."""
-    home = short_tmp()
-    env = {**VLLM_ENV, "PYTHONPATH": os.pathsep.join([str(ext_dir), os.environ.get("PYTHONPATH", "")])}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EYAS_HOME", str(home))
-        mp.setenv("XDG_RUNTIME_DIR", str(home / "rt"))
-        d = Daemon(home, grace=5.0, extra_env=env)
-        try:
-            yield d.start()
-        finally:
-            d.cleanup()
-            if not os.environ.get("EYAS_TEST_KEEP_HOME"):  # set it to read the daemon's files after a failure
-                shutil.rmtree(home, ignore_errors=True)
+    with vllm_daemon(ext_dir) as d:
+        yield d
 
 
 def group_processes(d: Daemon, run_id: int, tp: int) -> list[psutil.Process]:
