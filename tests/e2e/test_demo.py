@@ -114,10 +114,21 @@ def _ranks_running(home: Path, n: int = 2) -> bool:
 def test_ctrl_c_stops_the_demo_run_cleanly():
     home = short_tmp()
     proc = subprocess.Popen([EYAS, "demo"], env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    # extract is the first stage with 2 ranks.
-    wait_for(lambda: paths.db_path(home).exists() and _ranks_running(home), 180, what="the demo's ranks")
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
+    try:
+        # extract is the first stage with 2 ranks.
+        wait_for(lambda: paths.db_path(home).exists() and _ranks_running(home), 300, what="the demo's ranks")
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:  # a failed wait: leave no demo loading the machine under the suite
+            proc.kill()
+            proc.wait()
+            subprocess.run(
+                [EYAS, "--home", str(home), "daemon", "stop", "--grace", "2"],
+                env=_env(home),
+                capture_output=True,
+                timeout=60,
+            )
     assert proc.returncode == 130, out
     assert "stopping the run" in out and "eyas daemon stopped" in out
     run = _run(home)
