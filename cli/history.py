@@ -176,6 +176,23 @@ def _outputs(run: dict) -> list[str]:
     return found
 
 
+def window_lines(run: dict) -> list[str]:
+    """A streaming run's window: its size against the budget, and each side's waits on the other."""
+    w = run.get("window")
+    if not w:
+        return []
+    ex = next((s.get("summary") or {} for s in run["stages"] if s["name"] == "extract"), {})
+    mode = {"keep": " (the whole dataset fits: kept)", "window": " (regenerated each epoch)"}.get(
+        ex.get("streaming"), ""
+    )
+    return [
+        f"  window: {display.size(w['bytes'])} last sampled, {display.size(w['peak'])} at most, of a "
+        f"{display.size(w['budget'])} budget{mode}",
+        f"  waits: extract on the window {int(w['extract_waits'])}x ({w['extract_wait_s']:.1f} s), "
+        f"train on extract {int(w['train_waits'])}x ({w['train_wait_s']:.1f} s)",
+    ]
+
+
 def show_lines(run: dict, now: float | None = None) -> list[str]:
     now = time.time() if now is None else now
     quiet_after = liveness.quiet_after()
@@ -213,6 +230,8 @@ def show_lines(run: dict, now: float | None = None) -> list[str]:
         note = liveness.stage_note(a["ranks"], now, quiet_after) if a and a["state"] == "running" else ""
         if note:
             lines.append(f"  {s['name']} attempt {a['number']}: {note}")
+
+    lines += window_lines(run)
 
     failures = []
     for s in run["stages"]:

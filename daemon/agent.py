@@ -12,7 +12,7 @@ import json
 import logging
 import time
 
-from eyas.state import store
+from eyas.state import specs, store
 
 from . import settle, watchdog
 from .failures import exit_text, who
@@ -79,7 +79,10 @@ class Agent:
             if group.teardown_since is None and any(group.counts_as_failure(e) for e in exits):
                 first = group.failures()[0]
                 self._spawn_task(group.teardown(self.grace, f"{who(first)} failed"))
+            self._end_sibling(group)
             if group.settling:
+                continue
+            if self._sibling_first(group):
                 continue
             if not group.alive and not group.tearing and not (group.collecting and group.cancel_reason is None):
                 if group.workers and not group.leftovers_ended:
@@ -89,6 +92,30 @@ class Agent:
                         self._spawn_task(group.teardown(self.grace, "the driver rank ended"))
                         continue
                 self._settle_group(group)
+
+    def _end_sibling(self, group: Group) -> None:
+        """A streaming pair fails as one (state/specs.py: STREAM_PAIR): the failure of one half
+        (its own ranks', or the watchdog's finding) tears the other down, recorded as a
+        consequence; the root cause stays the failing half's."""
+        # A rank's own failure, or the watchdog's finding (a teardown for other reasons, say a
+        # vLLM driver's leftovers, is no failure).
+        failing = group.cancel_reason is None and (group.stuck is not None or group.failures())
+        other = specs.sibling(group.stage)
+        if not failing or other is None:
+            return
+        for g in list(self.groups.values()):
+            if g.run_id == group.run_id and g.stage == other and g.cancel_reason is None and g.teardown_since is None:
+                why = f"{specs.SIBLING_TEARDOWN}{group.stage} failed"
+                log.warning("run %s: %s attempt %d %s", g.run_id, g.stage, g.attempt, why)
+                self._spawn_task(self._cancel_group(g, why))
+
+    def _sibling_first(self, group: Group) -> bool:
+        """A half torn down because the other failed settles after it: by then the store says
+        whether the failed half restarts (and this one with it) or ends the run."""
+        reason = group.cancel_reason or ""
+        return reason.startswith(specs.SIBLING_TEARDOWN) and any(
+            g.run_id == group.run_id and g.stage == specs.sibling(group.stage) for g in self.groups.values()
+        )
 
     def watch_hangs(self, now: float) -> None:
         """Start ending every group the watchdog finds stuck (daemon/watchdog.py)."""

@@ -19,7 +19,7 @@ from typing import Any
 
 from sqlite_utils.db import NotFoundError
 
-from eyas.state import machine, paths, store
+from eyas.state import machine, paths, specs, store
 from eyas.state import runconfig as run_config
 from eyas.wire import protocol
 from eyas.wire.protocol import ProtocolError
@@ -214,7 +214,9 @@ class Api:
                 machine.check("run", row["state"], "cancelled", f"run {run_id}")
             group = self._group_of(run_id, stage)
             if group is not None:
-                await self._cancel_group(group, "stopped by the user")
+                # A streaming pair stops as one: neither half can go on without the other.
+                pair = [g for g in self.groups.values() if g.run_id == run_id and g.stage == specs.sibling(group.stage)]
+                await asyncio.gather(*(self._cancel_group(g, "stopped by the user") for g in [group, *pair]))
                 return {"run_id": run_id, "stage": group.stage, "stopping": True}
 
             def stop(db):
@@ -242,6 +244,11 @@ class Api:
             name = self._stage_or_default(db, run_id, stage, ("failed", "cancelled"))
             # Both or neither: a pending stage of a failed run never starts.
             self._move_stage(run_id, name, "pending", "retry requested", restarts=0)
+            other = specs.sibling(name)
+            if other is not None and specs.streaming(json.loads(row["config_json"] or "{}")):
+                # A streaming pair starts together (daemon/scheduler.py): the other half comes along.
+                if store.stage_row(db, run_id, other)["state"] in ("failed", "cancelled"):
+                    self._move_stage(run_id, other, "pending", f"retry of {name} requested", restarts=0)
             if row["state"] in ("failed", "cancelled"):
                 self._move_run(run_id, "pending", f"retry of {name} requested")
             return name

@@ -4,7 +4,9 @@ A pass plans on the store thread (finishing runs whose stages all ended, recordi
 in one transaction) and spawns only after that job committed, so a restarted daemon finds the
 attempt, or nothing. Nothing starts while the state directory is full or another process
 holds the store; a running stage without a live group starts again only when the store holds
-its restart's due time (daemon/settle.py sets it, daemon/intent.py explains why).
+its restart's due time (daemon/settle.py sets it, daemon/intent.py explains why). A streaming
+run ([storage] mode = "streaming") starts vocab before extract, then extract and train together,
+both recorded in the one transaction (state/specs.py: STREAM_PAIR; workers/extract/stream.py).
 """
 
 from __future__ import annotations
@@ -120,7 +122,12 @@ class Scheduler:
             if run_id in live:
                 continue
             cfg = json.loads(run["config_json"] or "{}")
-            for s in db["stages"].rows_where("run_id = ?", [run_id], order_by="position"):
+            rows = list(db["stages"].rows_where("run_id = ?", [run_id], order_by="position"))
+            stream = specs.streaming(cfg)
+            if stream:  # vocab before extract, so that train starts beside it
+                by_name = {r["name"]: r for r in rows}
+                rows = [by_name[n] for n in specs.stream_order(list(by_name))]
+            for s in rows:
                 if s["state"] in ("succeeded", "skipped"):
                     continue
                 if s["state"] in ("failed", "cancelled"):
@@ -133,6 +140,9 @@ class Scheduler:
                     break
                 if due is not None and due > now:
                     break
+                if stream and s["name"] == "extract":
+                    starts += self._record_pair(db, run, cfg, s, {r["name"]: r for r in rows}["train"], held, now)
+                    break
                 start = self._record_start(db, run, cfg, s, held)
                 if start is not None:
                     starts.append(start)
@@ -142,17 +152,48 @@ class Scheduler:
                 self._finish_run(db, run_id, "succeeded", "every stage succeeded or was skipped")
         return starts
 
-    def _record_start(self, db, run: dict, cfg: dict, s: dict, held: dict[int, int]) -> _Start | None:
+    def _record_pair(self, db, run: dict, cfg: dict, ex: dict, tr: dict, held: dict[int, int], now: float) -> list:
+        """A streaming run's extract and, unless it is done or not due, its train: both starts in
+        this one transaction, or neither while the devices for both are not free. Without GPUs
+        enough for both, train shares extract's (one GPU streams too, the two engines side by side)."""
+        due = tr["state"] == "pending" or (
+            tr["state"] == "running" and tr["restart_at"] is not None and tr["restart_at"] <= now
+        )
+        if due:
+            ex_devices = self._devices_for(cfg, "extract", ex["world_size"] or 1, held)
+            if ex_devices is None:
+                self._wait_devices(db, run, held)
+                return []
+            tr_world = tr["world_size"] or 1
+            tr_devices = self._devices_for(cfg, "train", tr_world, {**held, **{d: run["id"] for d in ex_devices}})
+            if tr_devices is None and len(ex_devices) >= tr_world:
+                tr_devices = ex_devices[:tr_world]
+            if tr_devices is None:
+                self._wait_devices(db, run, held)
+                return []
+            starts = []
+            for s, devices in ((ex, ex_devices), (tr, tr_devices)):
+                # The run row again: the first start moved it to running.
+                start = self._record_start(db, db["runs"].get(run["id"]), cfg, s, held, devices)
+                held.update({d: run["id"] for d in start.devices})
+                starts.append(start)
+            return starts
+        start = self._record_start(db, run, cfg, ex, held)
+        if start is None:
+            return []
+        held.update({d: run["id"] for d in start.devices})
+        return [start]
+
+    def _record_start(
+        self, db, run: dict, cfg: dict, s: dict, held: dict[int, int], devices: list[int] | None = None
+    ) -> _Start | None:
+        """Record the start of stage `s` on `devices` (None: those _devices_for finds free)."""
         run_id, stage = run["id"], s["name"]
         world_size = s["world_size"] or 1
-        devices = self._devices_for(cfg, stage, world_size, held)
         if devices is None:
-            holders = sorted({str(r) for r in held.values()})
-            why = f"waiting for devices held by run {', '.join(holders)}"
-            if self.waiting.get(run_id) != why:
-                self.waiting[run_id] = why
-                db["runs"].update(run_id, {"reason": why})
-                self._emit_state(run_id, "run", run["state"], why)
+            devices = self._devices_for(cfg, stage, world_size, held)
+        if devices is None:
+            self._wait_devices(db, run, held)
             return None
         self.waiting.pop(run_id, None)
         number = (s["attempts"] or 0) + 1
@@ -171,6 +212,15 @@ class Scheduler:
             db, run_id, stage, dir=str(attempt_dir), world_size=world_size, devices=devices
         )
         return _Start(run_id, stage, cfg, attempt_id, number, attempt_dir, world_size, devices, output_dir, run_dir)
+
+    def _wait_devices(self, db, run: dict, held: dict[int, int]) -> None:
+        """Say once, on the run, whose devices it waits for."""
+        holders = sorted({str(r) for r in held.values()})
+        why = f"waiting for devices held by run {', '.join(holders)}"
+        if self.waiting.get(run["id"]) != why:
+            self.waiting[run["id"]] = why
+            db["runs"].update(run["id"], {"reason": why})
+            self._emit_state(run["id"], "run", run["state"], why)
 
     def _spawn_attempt(self, st: _Start) -> None:
         """Start the ranks of an attempt whose start is recorded, and record them."""

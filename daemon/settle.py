@@ -10,6 +10,10 @@ on the store thread (daemon/storewriter.py); it may run many times, because a wr
 process holds the database locked), and each time it decides afresh from the store, so that
 a stop recorded meanwhile (daemon/intent.py) still counts. Its times are the group's own,
 never the moment the write finally got through.
+
+A streaming run's extract and train fail as one: the half torn down because the other failed
+(daemon/agent.py) settles after it, as cancelled and never as a root cause, and restarts with
+it when the failed half restarts (_sibling_end).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from eyas.state import contract, store
+from eyas.state import contract, specs, store
 from eyas.state.contract import ErrorRecord
 
 from . import diskfull, failures, watchdog
@@ -93,16 +97,46 @@ def record(core, db, group: Group, account: Account, records: list[ErrorRecord])
                 )
                 return
             core._move_stage(run_id, stage, "failed", why, summary_json=account.summary_json, now=end)
-            core._finish_run(db, run_id, "failed", f"{stage}: {why}", now=end)
+            if not _sibling_live(core, group):  # else the run ends with the sibling's settlement
+                core._finish_run(db, run_id, "failed", f"{stage}: {why}", now=end)
+        elif cancel is not None and cancel.startswith(specs.SIBLING_TEARDOWN):
+            _sibling_end(core, db, group, srow, cancel, end)
         elif cancel is not None:
             store.move_attempt(db, group.attempt_id, "cancelled", cancel, now=end)
             core._move_stage(run_id, stage, "cancelled", cancel, now=end)
-            core._finish_run(db, run_id, "cancelled", f"{stage}: {cancel}", now=end)
+            if not _sibling_live(core, group):
+                core._finish_run(db, run_id, "cancelled", f"{stage}: {cancel}", now=end)
         else:
             store.move_attempt(db, group.attempt_id, "succeeded", "every rank exited 0", now=end)
             core._move_stage(
                 run_id, stage, "succeeded", "every rank exited 0", summary_json=account.summary_json, now=end
             )
+
+
+def _sibling_end(core, db, group: Group, srow: dict, why: str, end: float) -> None:
+    """The end of a streaming half torn down because the other half failed (agent.py settles it
+    after that one): never a root cause. It restarts with the failed half, at the same due
+    time and without spending a restart of its own; else its stage is cancelled and the run
+    ends failed, in the failed half's words (that half left the run's end to this one)."""
+    run_id, stage = group.run_id, group.stage
+    store.move_attempt(db, group.attempt_id, "cancelled", why, now=end)
+    other = store.stage_row(db, run_id, specs.sibling(stage))
+    if other["state"] == "running" and other["restart_at"] is not None and not core.stopping:
+        store.schedule_restart(db, run_id, stage, srow["restarts"], other["restart_at"])
+        core._emit_state(run_id, "stage", "running", f"restarts with {other['name']}: {why}", stage=stage)
+        return
+    core._move_stage(run_id, stage, "cancelled", why, now=end)
+    # The run's end is the failed half's: its root cause, in its words.
+    core._finish_run(db, run_id, "failed", f"{other['name']}: {other['reason']}", now=end)
+
+
+def _sibling_live(core, group: Group) -> bool:
+    """Whether the other half of a streaming pair is still a live group: the run ends only once
+    neither is (a run that is over has no rank left)."""
+    other = specs.sibling(group.stage)
+    return other is not None and any(
+        g is not group and g.run_id == group.run_id and g.stage == other for g in core.groups.values()
+    )
 
 
 def settle(core, group: Group, now: float) -> None:

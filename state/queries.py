@@ -157,6 +157,7 @@ def get_run(db: sqlite_utils.Database, run_id: int, *, now: float | None = None)
         "tok_s": run["tok_s"],
         "summary": json.loads(run["summary_json"]) if run["summary_json"] else None,
         "stages": stages,
+        "window": stream_window(db, run_id) if _streams(run["config_json"]) else None,
     }
 
 
@@ -248,6 +249,43 @@ def latest_metric(db, run_id: int, stage: str, attempt: int, name: str) -> tuple
         "ORDER BY time DESC LIMIT 1",
         [run_id, stage, attempt, name],
     ).fetchone()
+
+
+def _streams(config_json: str | None) -> bool:
+    try:
+        return (json.loads(config_json or "{}").get("storage") or {}).get("mode") == "streaming"
+    except ValueError:
+        return False
+
+
+def stream_window(db, run_id: int) -> dict[str, Any] | None:
+    """A streaming run's window (workers/extract/stream.py), from the ranks' progress metrics:
+    its bytes now and at its peak, its budget, and how often (and how long) each side waited on
+    the other, over every attempt; None for a run that never streamed."""
+    sums = {}
+    for name, agg in (("window_budget", "MAX"), ("window_bytes", "MAX")):
+        row = db.execute(
+            f"SELECT {agg}(value) FROM metrics WHERE run_id=? AND stage='extract' AND name=?", [run_id, name]
+        ).fetchone()
+        sums[name] = row[0] if row else None
+    if sums["window_budget"] is None:
+        return None
+    now = db.execute(
+        "SELECT value FROM metrics WHERE run_id=? AND stage='extract' AND name='window_bytes' "
+        "ORDER BY time DESC LIMIT 1",
+        [run_id],
+    ).fetchone()
+    out = {"budget": sums["window_budget"], "peak": sums["window_bytes"], "bytes": now[0] if now else None}
+    # Counts are cumulative per rank and attempt: each (attempt, rank)'s last value, summed.
+    for stage, prefix in (("extract", "extract"), ("train", "train")):
+        for what in ("waits", "wait_s"):
+            row = db.execute(
+                "SELECT SUM(v) FROM (SELECT MAX(value) AS v FROM metrics WHERE run_id=? AND stage=? AND name=? "
+                "GROUP BY attempt, rank)",
+                [run_id, stage, f"{prefix}_{what}"],
+            ).fetchone()
+            out[f"{prefix}_{what}"] = (row[0] if row and row[0] is not None else 0.0) if row else 0.0
+    return out
 
 
 def gpu_memory(db, since: float) -> dict[int, dict[str, float]]:

@@ -35,10 +35,13 @@ Dtype = Literal["float32", "float16", "bfloat16"]
 DataFormat = Literal["auto", "sharegpt", "openai", "tokenized"]
 Backend = Literal["hf", "vllm"]
 Strategy = Literal["ddp", "fsdp"]
+StorageMode = Literal["offline", "streaming"]
+HiddenDtype = Literal["target", "fp8"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
 DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
 BACKENDS: tuple[str, ...] = get_args(Backend)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
+HIDDEN_DTYPES: tuple[str, ...] = get_args(HiddenDtype)
 DEFAULT_BACKOFF = 2.0
 LOG_MAX_MB = 512  # stages.<name>.log_max_mb's default; the daemon hands each rank its bound
 _NAME_CHARS = re.compile(r"[A-Za-z0-9._-]+")
@@ -221,6 +224,20 @@ class EvaluateConfig(Table):
     tensor_parallel_size: int | None = Field(None, ge=1)
 
 
+class StorageConfig(Table):
+    """[storage]: how extract's hidden states reach train (workers/extract/stream.py)."""
+
+    # "streaming": extract and train run at once, train reading shards as they land.
+    mode: StorageMode = "offline"
+    # The window's bound in GB (1e9 bytes); None: budget_fraction of the free space when extract starts.
+    budget_gb: float | None = Field(None, gt=0)
+    budget_fraction: float = Field(0.5, gt=0, le=1)
+    # How extract stores the hidden states (workers/extract/hsformat.py): "target", in the target's
+    # dtype, speculators' own format; "fp8", float8 e4m3 with a power-of-two scale per token and
+    # layer: about half the bytes, read by eyas's trainer and speculators' fp8 backend only.
+    hidden_dtype: HiddenDtype = "target"
+
+
 class StageConfig(Table):
     max_restarts: int | None = Field(None, ge=0, le=100)  # None: the stage spec's default
     backoff: float = Field(DEFAULT_BACKOFF, ge=0)  # seconds before the first restart, doubled each time
@@ -255,6 +272,7 @@ class RunConfig(_Head):
     draft: DraftConfig = Field(default_factory=DraftConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
     stages: dict[str, StageConfig] = Field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -436,6 +454,17 @@ def validate(data: dict[str, Any], base_dir: str | os.PathLike, source: str) -> 
     draft = _section(report, data, "draft", DraftConfig) or DraftConfig()
     train = _section(report, data, "train", TrainConfig) or TrainConfig()
     stages = _check_stages(report, data, pipeline)
+    storage = _section(report, data, "storage", StorageConfig) or StorageConfig()
+    if storage.mode == "streaming" and not {"extract", "train"} <= set(pipeline):
+        report.error("storage.mode", '"streaming" runs extract and train together; put both in the pipeline')
+    if storage.mode == "streaming" and extract.backend == "vllm":
+        report.error("storage.mode", '"streaming" needs extract.backend = "hf" (the vllm backend cannot stream yet)')
+    if storage.mode == "streaming" and storage.hidden_dtype == "fp8":
+        # The streaming producer's shards are written in the target dtype; refused rather than ignored.
+        report.error(
+            "storage.hidden_dtype",
+            '"fp8" is for offline runs (mode = "offline") yet; streaming stores the target dtype: remove this key',
+        )
 
     # Checks across tables, only between values that passed their own checks (a rejected value
     # has been reported; its default must not raise a second, misleading error).
@@ -479,6 +508,7 @@ def validate(data: dict[str, Any], base_dir: str | os.PathLike, source: str) -> 
         draft=draft,
         train=train,
         evaluate=evaluate,
+        storage=storage,
         stages=stages,
     )
 

@@ -232,3 +232,35 @@ DEFAULT_PIPELINE = ("prepare", "extract", "vocab", "train", "evaluate")
 def argv(python: str) -> list[str]:
     """The command line of one rank: the rank monitor, which runs the rank runtime."""
     return [python, "-m", "eyas.workers.runtime.monitor"]
+
+
+# --- the streaming pipeline ([storage] mode = "streaming", workers/extract/stream.py) ----------
+
+# The two stages a streaming run starts together and supervises as one: either one's failure
+# tears the other down, and a retry or a restart starts both.
+STREAM_PAIR = ("extract", "train")
+# What the teardown of the other half records as its cancel reason (daemon/settle.py reads it:
+# such an attempt is a consequence, never a root cause, and never cancels the run).
+SIBLING_TEARDOWN = "torn down with its streaming sibling: "
+
+
+def streaming(cfg: dict) -> bool:
+    """Whether a run (its config's dict form) streams extract into train."""
+    return (cfg.get("storage") or {}).get("mode") == "streaming" and set(STREAM_PAIR) <= set(cfg.get("pipeline") or ())
+
+
+def sibling(stage: str) -> str | None:
+    """The other half of the streaming pair, or None for any other stage."""
+    if stage not in STREAM_PAIR:
+        return None
+    return STREAM_PAIR[1 - STREAM_PAIR.index(stage)]
+
+
+def stream_order(names: list[str]) -> list[str]:
+    """The order a streaming run's stages start in: what reads only prepare's output (vocab)
+    goes before extract, so that train can start beside extract."""
+    if "extract" not in names or "vocab" not in names or names.index("vocab") < names.index("extract"):
+        return list(names)
+    rest = [n for n in names if n != "vocab"]
+    rest.insert(rest.index("extract"), "vocab")
+    return rest

@@ -32,7 +32,9 @@ def main(ctx, settings: Settings) -> None:
     lengths = row_lengths(dataset, settings.dataset_dir)
 
     if settings.device == "cpu":
-        share_cpus(ctx.world_size)
+        from eyas.workers.extract.stream import sibling_ranks
+
+        share_cpus(ctx.world_size, sibling_ranks(ctx.config or {}, "extract"))
     import torch
 
     from eyas.workers.runtime.dist import Dist
@@ -45,11 +47,24 @@ def main(ctx, settings: Settings) -> None:
             target = hf_target.load(settings.target_path, settings.dtype, settings.trust_remote_code, settings.device)
         n = target.decoder.num_layers
         layer_ids = target.decoder.check_ids(settings.layer_ids or default_layer_ids(n))
-        plan = plan_batches(lengths, ctx.world_size, ctx.rank, settings.batch_size)
         hs_dir = settings.out_dir / HIDDEN_STATES_DIR
         claim_output(settings.out_dir, identity(settings, arch, layer_ids, dataset))
+        if settings.streaming:
+            _stream(ctx, settings, target, layer_ids, dataset, lengths, hs_dir, dist)
+            done = True
+            return
+        plan = plan_batches(lengths, ctx.world_size, ctx.rank, settings.batch_size)
         stats = run(
-            target, layer_ids, dataset, lengths, plan, hs_dir, settings.dtype, settings.device, progress=ctx.progress
+            target,
+            layer_ids,
+            dataset,
+            lengths,
+            plan,
+            hs_dir,
+            settings.dtype,
+            settings.device,
+            progress=ctx.progress,
+            hidden_dtype=settings.hidden_dtype,
         )
         # Also the barrier: every rank's files are written by the time the sums arrive.
         totals = dist.all_reduce(torch.tensor(stats.totals(), dtype=torch.int64)).tolist()
@@ -58,6 +73,49 @@ def main(ctx, settings: Settings) -> None:
         done = True
     finally:
         dist.close(barrier=done)  # no barrier after a failure: the other ranks may be anywhere
+
+
+def _stream(ctx, settings: Settings, target, layer_ids, dataset, lengths, hs_dir: Path, dist) -> None:
+    """[storage] mode = "streaming": this rank's share of the stream, in train's order and
+    inside the window (extract/producer.py, extract/stream.py)."""
+    import torch
+
+    from eyas.workers.extract import producer, stream
+    from eyas.workers.extract.output import write_summary
+
+    n_ids, size = len(layer_ids), hidden_size(target)
+    element = torch.empty((), dtype=getattr(torch, settings.dtype)).element_size()
+    per_token = stream.token_bytes(n_ids, size, element, getattr(settings, "hidden_dtype", "target"))
+    if ctx.rank == 0:
+        producer.choose_mode(ctx, settings, lengths, per_token)
+        producer.write_config_early(settings, target_info(target), layer_ids, lengths, hs_dir)
+    else:
+        stream.wait_for(stream.plan_path(settings.out_dir), ctx.progress, "waiting for rank 0's stream plan")
+    st = stream.load(settings.out_dir, settings.dataset_dir.parent, ctx.config or {}, lengths)
+    # Rank 0's reading of train's checkpoint, on every rank: positions in the stream count from it.
+    mine = list(stream.resume_point(ctx.output_dir / "train")) if ctx.rank == 0 else [0, 0]
+    start = tuple(int(v) for v in dist.all_reduce(torch.tensor(mine, dtype=torch.int64)).tolist())
+    if start != (0, 0):
+        log.info("streaming from where train resumes: epoch %d, step %d", start[0] + 1, start[1])
+    stats = Stats()
+    prod = producer.run(ctx, settings, target, layer_ids, dataset, lengths, st, start, stats, per_token)
+    figures = [prod.waits, int(prod.wait_s * 1000)]
+    totals = dist.all_reduce(torch.tensor(stats.totals() + figures, dtype=torch.int64)).tolist()
+    if ctx.rank != 0:
+        return
+    extra = {
+        "streaming": st.mode,
+        "window_budget_bytes": st.budget,
+        "dataset_bytes": st.dataset_bytes,
+        "window_peak_bytes": prod.peak,  # as rank 0 measured it before each batch
+        "extract_waits": totals[5],
+        "extract_wait_s": totals[6] / 1000,
+        "start": list(start),
+    }
+    if st.keep:
+        finish(ctx, settings, target_info(target), layer_ids, lengths, hs_dir, totals[:5], summary_extra=extra)
+    else:
+        write_summary(ctx, settings, target_info(target), layer_ids, totals[:5], extra)
 
 
 def target_info(target) -> TargetInfo:
@@ -82,6 +140,7 @@ def run(
     device: str = "cpu",
     progress=None,
     max_pending: int = 2,
+    hidden_dtype: str = "target",
 ) -> Stats:
     """Compute this rank's `plan` and write its missing files; returns what was done."""
     import torch
@@ -93,7 +152,7 @@ def run(
     pad_id = _pad_id(target.model)
     torch_dtype = getattr(torch, dtype)
     size = hidden_size(target)
-    writer = hswriter.HiddenStatesWriter(hs_dir, max_pending=max_pending)
+    writer = hswriter.HiddenStatesWriter(hs_dir, max_pending=max_pending, hidden_dtype=hidden_dtype)
     capture = LayerCapture(target.decoder, layer_ids)
     t0 = time.monotonic()
     try:

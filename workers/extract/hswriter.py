@@ -2,7 +2,8 @@
 
 One `hs_<idx>.safetensors` per sample, holding `hidden_states` [seq, n_layers, hidden] in the
 target dtype and `token_ids` [seq] int64: what speculators' FileTransfer / ArrowDataset load
-(`<hidden_states_dir>/hs_<idx>.safetensors`). Each file is written through a temp file and a
+(`<hidden_states_dir>/hs_<idx>.safetensors`); with [storage] hidden_dtype = "fp8", float8 with
+a scale per token and layer instead (extract/hsformat.py, quantised on this thread). Each file is written through a temp file and a
 rename (workers/runtime/atomic.py), so a file that exists is complete, and a resumed attempt may trust it;
 the temp files a killed attempt leaves (eyas's and safetensors' own) are removed on resume.
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eyas.workers.extract import hsformat
 from eyas.workers.runtime import atomic
 
 log = logging.getLogger("eyas.hswriter")
@@ -110,8 +112,9 @@ _STOP = object()
 class HiddenStatesWriter:
     """`put(job)` from the compute loop; `close()` waits for every file and re-raises a failure."""
 
-    def __init__(self, directory: Path, max_pending: int = 2):
+    def __init__(self, directory: Path, max_pending: int = 2, hidden_dtype: str = "target"):
         self.directory = Path(directory)
+        self.hidden_dtype = hidden_dtype  # [storage] hidden_dtype: how each file stores its states
         self.directory.mkdir(parents=True, exist_ok=True)
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
@@ -148,8 +151,6 @@ class HiddenStatesWriter:
             raise RuntimeError(f"writing hidden states to {self.directory} failed: {self._error!r}") from self._error
 
     def _run(self) -> None:
-        from safetensors.torch import save_file
-
         while True:
             job = self._queue.get()
             if job is _STOP:
@@ -163,8 +164,8 @@ class HiddenStatesWriter:
                     # A contiguous view: rows of a [batch, seq, ...] tensor cut at `length`.
                     hidden = job.hidden[item.row, : item.length]
                     with atomic.atomic_path(self.directory / file_name(item.idx)) as tmp:
-                        save_file({"hidden_states": hidden, "token_ids": item.token_ids}, tmp)
+                        size = hsformat.write(tmp, hidden, item.token_ids, self.hidden_dtype)
                     self.written += 1
-                    self.bytes += hidden.numel() * hidden.element_size() + item.token_ids.numel() * 8
+                    self.bytes += size
             except BaseException as exc:  # noqa: BLE001 - handed to the compute loop
                 self._error = exc

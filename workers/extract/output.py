@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.state import contract
-from eyas.workers.extract import hswriter
+from eyas.workers.extract import hsformat, hswriter
 from eyas.workers.extract.plan import Settings
 from eyas.workers.runtime import atomic
 
@@ -49,6 +49,8 @@ def identity(settings: Settings, arch: str, layer_ids, dataset) -> dict:
         "dtype": settings.dtype,
         "layer_ids": list(layer_ids),
         "dataset": dataset_digest(dataset),
+        # Only when set, so that an output dir made before [storage] existed still resumes.
+        **({"hidden_dtype": settings.hidden_dtype} if settings.hidden_dtype != "target" else {}),
     }
 
 
@@ -104,10 +106,19 @@ def finish(
     """Rank 0, once every rank is done: check the files, write data_config.json and summary.json."""
     _check_complete(hs_dir, len(lengths))
     atomic.write_json(settings.out_dir / DATA_CONFIG, data_config(info, settings, layer_ids, lengths, hs_dir, extra))
+    write_summary(
+        ctx, settings, info, layer_ids, totals, summary_extra, [str(hs_dir), str(settings.out_dir / DATA_CONFIG)]
+    )
+
+
+def write_summary(
+    ctx, settings: Settings, info: TargetInfo, layer_ids, totals: list[int], extra: dict | None, outputs=None
+) -> None:
+    """summary.json of the attempt (rank 0): what was computed, written and skipped."""
     atomic.write_json(
         ctx.attempt_dir / contract.SUMMARY,
         {
-            "outputs": [str(hs_dir), str(settings.out_dir / DATA_CONFIG)],
+            "outputs": outputs or [str(settings.out_dir / DATA_CONFIG)],
             "samples": totals[0],
             "tokens": totals[1],
             "samples_computed": totals[2],
@@ -119,12 +130,13 @@ def finish(
             "world_size": ctx.world_size,
             "batch_size": settings.batch_size,
             "dtype": settings.dtype,
+            "hidden_dtype": settings.hidden_dtype,
             **(
                 {"backend": settings.backend, "tensor_parallel_size": settings.tensor_parallel_size}
                 if settings.backend != "hf"
                 else {}
             ),
-            **(summary_extra or {}),
+            **(extra or {}),
         },
     )
 
@@ -159,17 +171,20 @@ def data_config(
         # where the run's output lives.
         "hidden_states_dir": os.path.relpath(hs_dir, settings.out_dir),
         "file_pattern": "hs_{idx}.safetensors",
-        "tensors": {
-            "hidden_states": {"shape": ["seq_len", len(layer_ids), hidden_size], "dtype": settings.dtype},
-            "token_ids": {"shape": ["seq_len"], "dtype": "int64"},
-        },
+        "tensors": tensors(settings, len(layer_ids), hidden_size),
         "layer_ids": list(layer_ids),
         "layers": [{"index": k, "id": i, "meaning": Decoder.meaning(i, n)} for k, i in enumerate(layer_ids)],
         "aux_layer_ids": list(layer_ids[:-1]),
         "verifier_last_layer_id": layer_ids[-1],
         "num_hidden_layers": n,
         "hidden_size": hidden_size,
-        "dtype": settings.dtype,
+        "dtype": settings.dtype,  # the target's, which computed the states
+        # The default files are speculators' format and this file says nothing more of them.
+        **(
+            {"hidden_dtype": settings.hidden_dtype, "hidden_states_metadata": hsformat.FP8_METADATA}
+            if settings.hidden_dtype == "fp8"
+            else {}
+        ),
         "model": {
             "path": settings.target_path,
             "architecture": info.architecture,
@@ -184,6 +199,20 @@ def data_config(
         "batch_size": settings.batch_size,
         **(extra or {}),
         "versions": versions(settings.backend),
+    }
+
+
+def tensors(settings: Settings, n_ids: int, hidden_size: int) -> dict[str, dict]:
+    """What each file holds (extract/hsformat.py), as data_config.json describes it."""
+    if settings.hidden_dtype == "fp8":
+        return {
+            "hidden_states": {"shape": ["seq_len", n_ids, hidden_size], "dtype": "float8_e4m3fn"},
+            hsformat.SCALES: {"shape": ["seq_len", n_ids, 1], "dtype": "float8_e8m0fnu"},
+            "token_ids": {"shape": ["seq_len"], "dtype": "int64"},
+        }
+    return {
+        "hidden_states": {"shape": ["seq_len", n_ids, hidden_size], "dtype": settings.dtype},
+        "token_ids": {"shape": ["seq_len"], "dtype": "int64"},
     }
 
 

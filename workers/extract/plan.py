@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eyas.state.runconfig import ExtractConfig, ResourcesConfig, TargetConfig, stage_options
+from eyas.state.runconfig import ExtractConfig, ResourcesConfig, StorageConfig, TargetConfig, stage_options
 from eyas.workers.extract import hswriter
 
 log = logging.getLogger("eyas.extract")
@@ -34,6 +34,8 @@ class Settings:
     tensor_parallel_size: int = 1
     vllm_options: dict | None = None  # more vLLM engine arguments ([stages.extract] options.vllm)
     worker_extension: str | None = None  # another vLLM worker extension class (a subclass of eyas's)
+    hidden_dtype: str = "target"  # [storage] hidden_dtype: how the files store the states (extract/hsformat.py)
+    streaming: bool = False  # [storage] mode = "streaming" (extract/stream.py)
 
     @classmethod
     def from_context(cls, ctx) -> Settings:
@@ -69,6 +71,8 @@ class Settings:
             tensor_parallel_size=ex.tensor_parallel_size,
             vllm_options=extract_options.vllm,
             worker_extension=extract_options.worker_extension,
+            hidden_dtype=StorageConfig.model_validate(cfg.get("storage") or {}).hidden_dtype,
+            streaming=(cfg.get("storage") or {}).get("mode") == "streaming",
         )
 
 

@@ -97,6 +97,7 @@ def settings(ctx):
         or ("fused" if device == "cuda" and _fused_available() else "eager"),
         attn_impl=opts.attention or ("simple_flex_attention" if device == "cuda" else "sdpa"),
         ttt_step_loss_decay=opts.ttt_step_loss_decay,
+        streaming=cfg.storage.mode == "streaming",
     )
 
 

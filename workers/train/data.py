@@ -2,7 +2,8 @@
 
 Inputs of one run (docs/ARCHITECTURE.md): <out>/prepare/dataset (input_ids, loss_mask, seq_len, one
 row per sample), <out>/prepare/splits.json (the held-out rows), <out>/extract/hidden_states/
-hs_<row>.safetensors (hidden_states [seq, n_ids, hidden], token_ids [seq]) and
+hs_<row>.safetensors (hidden_states [seq, n_ids, hidden], token_ids [seq]; fp8 files are
+dequantised on read, extract/hsformat.py) and
 <out>/extract/data_config.json (the layer ids, the last one the verifier's last hidden state).
 
 Samples come out in speculators' layout, and packing and collation are speculators' own
@@ -38,6 +39,7 @@ class Layout:
     hidden_size: int
     num_hidden_layers: int
     dtype: str
+    hidden_dtype: str = "target"  # how the files store the states (extract/hsformat.py)
 
     @property
     def aux_ids(self) -> list[int]:
@@ -65,7 +67,12 @@ def read_layout(extract_dir: Path) -> Layout:
             f"end extract.layer_ids with {n}"
         )
     return Layout(
-        layer_ids=ids, hidden_size=int(cfg["hidden_size"]), num_hidden_layers=n, dtype=str(cfg.get("dtype", "bfloat16"))
+        layer_ids=ids,
+        hidden_size=int(cfg["hidden_size"]),
+        num_hidden_layers=n,
+        dtype=str(cfg.get("dtype", "bfloat16")),
+        # Absent from the default files' data_config.json, as from every one written before fp8.
+        hidden_dtype=str(cfg.get("hidden_dtype", "target")),
     )
 
 
@@ -91,13 +98,14 @@ class HiddenStatesDataset(BaseDataset):
     skipped sample: it means extract ran on other data.
     """
 
-    def __init__(self, dataset, rows: list[int], hs_dir: Path, layout: Layout, max_len: int):
+    def __init__(self, dataset, rows: list[int], hs_dir: Path, layout: Layout, max_len: int, complete: bool = True):
         self.rows = list(rows)
-        self.hs_dir = Path(hs_dir)
+        self.hs_dir = Path(hs_dir)  # a streaming run points it at each epoch's shards (train/feed.py)
         self.layout = layout
         self._data = dataset.with_format("torch", columns=["input_ids", "loss_mask"])
         self._lengths = [int(n) for n in dataset.with_format(None)["seq_len"]]
-        missing = [r for r in self.rows if not (self.hs_dir / f"hs_{r}.safetensors").exists()]
+        # Streaming (complete=False): the shards land while training runs.
+        missing = [r for r in self.rows if complete and not (self.hs_dir / f"hs_{r}.safetensors").exists()]
         if missing:
             raise DataError(
                 f"{self.hs_dir}: {len(missing)} of {len(self.rows)} samples have no hidden-states file "
@@ -112,12 +120,20 @@ class HiddenStatesDataset(BaseDataset):
         return [self._lengths[r] for r in self.rows]
 
     def _get_raw_data(self, index: int) -> dict[str, Any]:
-        from safetensors.torch import load_file
+        from eyas.workers.extract import hsformat
 
         row = self.rows[index]
         path = self.hs_dir / f"hs_{row}.safetensors"
-        f = load_file(path)
-        hs, token_ids = f["hidden_states"], f["token_ids"]
+        try:
+            sample = hsformat.read(path)  # fp8 comes back dequantised, in float32
+        except hsformat.FormatError as exc:
+            raise DataError(str(exc)) from None
+        if sample.hidden_dtype != self.layout.hidden_dtype:
+            raise DataError(
+                f"{path}: stored as hidden_dtype {sample.hidden_dtype!r}, but data_config.json says "
+                f"{self.layout.hidden_dtype!r}; the folder mixes two extractions: rerun extract into a fresh output_dir"
+            )
+        hs, token_ids = sample.hidden_states, sample.token_ids
         item = self._data[row]
         if hs.ndim != 3 or hs.shape[1] != len(self.layout.layer_ids) or hs.shape[2] != self.layout.hidden_size:
             raise DataError(
@@ -168,13 +184,18 @@ def collate_fn(batch_tokens: int, layout: Layout, dtype) -> CollateFn:
 
 
 class _Batches(torch.utils.data.Sampler):
-    """A fixed list of batches for torch's DataLoader (its batch_sampler)."""
+    """A fixed list of batches for torch's DataLoader (its batch_sampler); `before(k)` runs
+    before batch k is handed out (streaming: wait for its shards, train/feed.py)."""
 
-    def __init__(self, batches: list[list[int]]):
+    def __init__(self, batches: list[list[int]], before=None):
         self.batches = batches
+        self.before = before
 
     def __iter__(self):
-        return iter(self.batches)
+        for k, batch in enumerate(self.batches):
+            if self.before is not None:
+                self.before(k)
+            yield batch
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -186,6 +207,7 @@ def loader(
     collate: CollateFn,
     num_workers: int = 0,
     pin_memory: bool = False,
+    before=None,
 ):
     """Iterate collated batches. Workers prefetch on GPU hosts; on CPU they would take cores
     from the training step, so 0 (load in the loop) is the default there."""
@@ -193,7 +215,7 @@ def loader(
 
     return DataLoader(
         dataset,
-        batch_sampler=_Batches(batches),
+        batch_sampler=_Batches(batches, before),
         collate_fn=collate,
         num_workers=num_workers,
         pin_memory=pin_memory,

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from eyas.workers.extract import stream
 from eyas.workers.runtime.cpu_share import share_cpus
 from eyas.workers.runtime.dist import Dist
 from eyas.workers.train import checkpoint
@@ -73,8 +74,16 @@ class Trainer:
         if not ds_path.is_dir():
             raise train_data.DataError(f"{ds_path}: no prepared dataset; run the prepare stage first")
         dataset = load_from_disk(str(ds_path))
+        self.feed = None
+        if s.streaming:
+            from eyas.workers.train.feed import Feed
+
+            all_lengths = [int(n) for n in dataset.with_format(None)["seq_len"]]
+            self.feed = Feed(ctx, s.extract_dir, s.prepare_dir, s.out_dir, all_lengths)
+            stream.wait_for(s.extract_dir / "data_config.json", self.progress, "waiting for extract's data_config.json")
         self.layout = train_data.read_layout(s.extract_dir)
         train_rows, val_rows = train_data.read_splits(s.prepare_dir, len(dataset))
+        self.train_rows, self.val_rows = train_rows, val_rows
         if len(train_rows) < ctx.world_size:
             raise train_data.DataError(
                 f"{len(train_rows)} training rows cannot feed {ctx.world_size} ranks; add data or lower resources.ranks"
@@ -82,9 +91,14 @@ class Trainer:
         hs_dir = s.extract_dir / train_data.HS_DIR
         self.hs_dtype = torch.bfloat16 if s.device == "cuda" else torch.float32
         self.collate = train_data.collate_fn(s.batch_tokens, self.layout, self.hs_dtype)
-        self.train_set = train_data.HiddenStatesDataset(dataset, train_rows, hs_dir, self.layout, s.batch_tokens)
+        complete = self.feed is None
+        self.train_set = train_data.HiddenStatesDataset(
+            dataset, train_rows, hs_dir, self.layout, s.batch_tokens, complete
+        )
         self.val_set = (
-            train_data.HiddenStatesDataset(dataset, val_rows, hs_dir, self.layout, s.batch_tokens) if val_rows else None
+            train_data.HiddenStatesDataset(dataset, val_rows, hs_dir, self.layout, s.batch_tokens, complete)
+            if val_rows
+            else None
         )
         lengths = self.train_set.approx_lengths
         self.lengths = lengths
@@ -251,15 +265,25 @@ class Trainer:
         if not self.val_plan:
             return None
         self.model.eval()
+        if self.feed is not None:
+            self.feed.wait(None, self.val_rows)
         acc: dict[str, torch.Tensor] = {}
         for batch in train_data.loader(
-            self.val_set, self.val_plan, self.collate, self.s.num_workers, self.s.device == "cuda"
+            self.val_set, self.val_plan, self.collate, self._workers(), self.s.device == "cuda"
         ):
             _, _, metrics = self._forward(self._inputs(batch))
             for k, v in metrics.items():
                 acc[k] = acc[k] + v.detach().float() if k in acc else v.detach().float()
         self.model.train()
         return ratios(self._reduce(acc, {}), prefix="val_")
+
+    def _workers(self) -> int:
+        # Streaming loads in the loop: a prefetching worker would wait for shards out of sight
+        # of the rank's heartbeat and of the feed's counts.
+        return 0 if self.feed is not None else self.s.num_workers
+
+    def _rows(self, batch: list[int]) -> list[int]:
+        return [self.train_rows[j] for j in batch]
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -311,7 +335,7 @@ class Trainer:
         if s.device == "cuda":
             torch.cuda.set_device(0 if torch.cuda.device_count() == 1 else ctx.local_rank)
         else:
-            share_cpus(ctx.world_size)
+            share_cpus(ctx.world_size, stream.sibling_ranks(ctx.config or {}, "train"))
         self.dist = Dist(ctx, s.device)
         done = False
         try:
@@ -341,6 +365,8 @@ class Trainer:
         with self.progress.beating("build draft model"):  # reads the target's embeddings and head
             self.bare = self._model()
         ckpt, pos = self._resume(self.bare)
+        if self.feed is not None:
+            self.feed.resume(pos.epoch, pos.step)
         self.model = self._wrap(self.bare)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
@@ -375,7 +401,16 @@ class Trainer:
         for epoch in range(pos.epoch, s.epochs):
             batches = self.plans[epoch]
             start = pos.step if epoch == pos.epoch else 0
-            loader = train_data.loader(self.train_set, batches[start:], self.collate, s.num_workers, s.device == "cuda")
+            before = None
+            if self.feed is not None:
+                self.train_set.hs_dir = self.feed.dir_for(epoch)
+
+                def before(k, epoch=epoch, start=start, batches=batches):
+                    self.feed.wait(epoch, self._rows(batches[start + k]), step=start + k)
+
+            loader = train_data.loader(
+                self.train_set, batches[start:], self.collate, self._workers(), s.device == "cuda", before
+            )
             meter.resume()
             for i, batch in enumerate(loader, start):
                 n_tok = int((batch["document_ids"] != -1).sum())  # on the host: no device sync
@@ -383,6 +418,8 @@ class Trainer:
                 metrics, grad_norm, lr = self._step(inputs, params, pos.global_step)
                 pos.global_step += 1
                 pos.epoch, pos.step = epoch, i + 1
+                if self.feed is not None:
+                    self.feed.used(epoch, i, self._rows(batches[i]))
                 samples += len(batches[i])
                 tokens += n_tok
                 last = i + 1 == len(batches)
@@ -404,6 +441,7 @@ class Trainer:
                         tokens=tokens,
                         force=meter.steps == 0,
                         **(dict(vals, step=pos.global_step) if self.main else {}),
+                        **(self.feed.metrics() if self.feed is not None else {}),
                     )
                     if self.main:
                         log.info(
@@ -445,6 +483,8 @@ class Trainer:
             self._save(name, pos)
             self.progress.update(samples=samples, tokens=tokens, force=True)
 
+        if self.feed is not None:
+            self.feed.done()
         return self._summary(ckpt, pos, meter)
 
     def _step(self, inputs: dict[str, torch.Tensor], params: list, global_step: int):
@@ -504,6 +544,8 @@ class Trainer:
             "validation": pos.history,
             "train_rows": self.n_train,
             "validation_rows": self.n_val,
+            # Summed over the ranks: each waits for, and frees, the shards of its own batches.
+            **({"streaming": self.feed.stream.mode, **self._reduce({}, self.feed.metrics())} if self.feed else {}),
             "world_size": ctx.world_size,
             "strategy": s.strategy if ctx.world_size > 1 else "single",
             "device": s.device,

@@ -40,6 +40,7 @@ class Settings:
     loss_implementation: str = "eager"
     attn_impl: str = "sdpa"
     ttt_step_loss_decay: float = 1.0
+    streaming: bool = False  # [storage] mode = "streaming": shards land while training runs (train/feed.py)
 
     @property
     def checkpoints(self) -> Path:

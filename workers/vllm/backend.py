@@ -209,6 +209,7 @@ class Engine:
         extension: str = EXTENSION,
         max_pending: int = 2,
         model_cfg: dict | None = None,
+        hidden_dtype: str = "target",
     ) -> Engine:
         engine = cls.launch(
             target_path=target_path,
@@ -220,7 +221,7 @@ class Engine:
             extension=extension,
             model_cfg=model_cfg,
         )
-        engine.attach(architecture, layer_ids, dtype, hs_dir, max_pending)
+        engine.attach(architecture, layer_ids, dtype, hs_dir, max_pending, hidden_dtype)
         return engine
 
     @classmethod
@@ -253,8 +254,11 @@ class Engine:
         log.info("vLLM %s engine up in %.1f s (tensor_parallel_size=%d)", version, time.monotonic() - t0, tp)
         return cls(llm, tp, [], version)
 
-    def attach(self, architecture: str, layer_ids, dtype: str, hs_dir, max_pending: int = 2) -> None:
-        """Set the capture up in every worker (TP rank 0 will write into `hs_dir`)."""
+    def attach(
+        self, architecture: str, layer_ids, dtype: str, hs_dir, max_pending: int = 2, hidden_dtype: str = "target"
+    ) -> None:
+        """Set the capture up in every worker (TP rank 0 will write into `hs_dir`, storing the
+        states as [storage] hidden_dtype says)."""
         spec = {
             "architecture": architecture,
             "layer_ids": list(layer_ids),
@@ -262,6 +266,7 @@ class Engine:
             "hs_dir": str(hs_dir),
             "writer_rank": 0,
             "max_pending": max_pending,
+            "hidden_dtype": hidden_dtype,
         }
         self.setup = replies(self.llm.collective_rpc("eyas_setup", args=(spec,)), self.tp)
         first = reply_of(self.setup, self.tp, 0)
@@ -345,6 +350,7 @@ def main(ctx, settings: Settings) -> None:
             options=settings.vllm_options,
             extension=settings.worker_extension or EXTENSION,
             model_cfg=model_cfg,
+            hidden_dtype=settings.hidden_dtype,
         )
     try:
         first = reply_of(engine.setup, engine.tp, 0)

@@ -72,6 +72,7 @@ class Capture:
         runner: Any,
         device: Any = None,
         max_pending: int = 2,
+        hidden_dtype: str = "target",
     ):
         import torch
 
@@ -84,7 +85,7 @@ class Capture:
         self._check_pipeline(decoder)
         self.runner = runner
         self.v2 = vllm_layout.V2Observer(runner) if vllm_layout.is_v2(runner) else None
-        self.writer = hswriter.HiddenStatesWriter(Path(hs_dir), max_pending=max_pending)
+        self.writer = hswriter.HiddenStatesWriter(Path(hs_dir), max_pending=max_pending, hidden_dtype=hidden_dtype)
         self.requests: dict[str, Request] = {}  # external request id -> request
         self._internal: dict[str, Request] = {}  # vLLM's internal id -> request
         self.active = False  # inside a real scheduler step

@@ -284,6 +284,7 @@ class EyasWorkerExtension:
                 self.model_runner,
                 device=getattr(self, "device", None),
                 max_pending=int(spec.get("max_pending", 2)),
+                hidden_dtype=spec.get("hidden_dtype", "target"),
             )
         layer = decoder.layers[0]
         return {

@@ -1,0 +1,62 @@
+"""[storage] hidden_dtype (state/runconfig.py): today's storage by default, "fp8" by choice, and a
+bad value refused in one line naming the key and the choices; the extract stage's settings read it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from eyas.state.runconfig import HIDDEN_DTYPES, ConfigError, RunConfig, StorageConfig, load
+from eyas.workers.extract.plan import Settings
+
+
+def write(tmp_path: Path, storage: str = "") -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(f'name = "t"\npipeline = ["selftest"]\n{storage}')
+    return path
+
+
+def test_the_default_is_the_targets_dtype_as_before(tmp_path):
+    assert HIDDEN_DTYPES == ("target", "fp8")
+    cfg = load(write(tmp_path))
+    assert cfg.storage.hidden_dtype == "target" == StorageConfig().hidden_dtype
+    assert load(write(tmp_path, '[storage]\nhidden_dtype = "target"\n')).storage.hidden_dtype == "target"
+
+
+def test_fp8_is_accepted_and_survives_the_round_trip_to_the_stage(tmp_path):
+    cfg = load(write(tmp_path, '[storage]\nhidden_dtype = "fp8"\n'))
+    assert cfg.storage.hidden_dtype == "fp8"
+    back = RunConfig.from_dict(cfg.to_dict())
+    assert back.storage.hidden_dtype == "fp8"
+    d = {**cfg.to_dict(), "target": {"path": str(tmp_path), "dtype": "bfloat16"}, "resources": {"devices": "cpu"}}
+    settings = Settings.from_config(d, {}, tmp_path, tmp_path / "extract")
+    assert settings.hidden_dtype == "fp8"
+    d.pop("storage")
+    assert Settings.from_config(d, {}, tmp_path, tmp_path / "extract").hidden_dtype == "target"
+
+
+@pytest.mark.parametrize(
+    "value, line",
+    [
+        ('"bf16"', "storage.hidden_dtype: unknown value 'bf16'; use one of: target, fp8"),
+        ('"fp_8"', "storage.hidden_dtype: unknown value 'fp_8'; did you mean 'fp8'? (one of: target, fp8)"),
+        ("8", "storage.hidden_dtype: expected a string, got integer 8; use one of: target, fp8"),
+    ],
+)
+def test_a_bad_value_is_one_line_naming_the_key_and_the_choices(tmp_path, value, line):
+    path = write(tmp_path, f"[storage]\nhidden_dtype = {value}\n")
+    with pytest.raises(ConfigError) as err:
+        load(path)
+    assert str(err.value) == f"{path}: {line}"
+
+
+def test_fp8_with_streaming_is_refused_rather_than_ignored(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('name = "t"\npipeline = ["selftest"]\n[storage]\nmode = "streaming"\nhidden_dtype = "fp8"\n')
+    with pytest.raises(ConfigError) as err:
+        load(path)
+    assert (
+        f'{path}: storage.hidden_dtype: "fp8" is for offline runs (mode = "offline") yet; streaming stores the '
+        "target dtype: remove this key"
+    ) in str(err.value).splitlines()
