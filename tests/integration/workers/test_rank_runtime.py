@@ -118,7 +118,7 @@ def test_bad_selftest_option_names_the_fix(start_rank):
     assert (error["type"], error["message"]) == (
         "ValueError",
         "stages.selftest.options.fail: unknown value 'explode'; use one of: raise, raise-empty, exit, segfault, "
-        "sigkill, children, hang",
+        "sigkill, children, hang, tp-worker",
     )
 
 
