@@ -27,14 +27,13 @@ import re
 import shutil
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "support"))
 
 from daemon_harness import Daemon, short_tmp  # noqa: E402
+from stream_world import DiskSampler, hs_bytes  # noqa: E402
 
 CACHE = Path(tempfile.gettempdir()) / "eyas-bench-stream-v1"
 TARGET_RATIO = 1.15
@@ -54,40 +53,15 @@ def toml(assets: dict, name: str, epochs: int, ranks: int, storage: dict | None)
     return text
 
 
-def hs_bytes(extract_dir: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(extract_dir):
-        for f in files:
-            if f.endswith((".safetensors", ".tmp")):
-                try:
-                    total += os.path.getsize(os.path.join(dirpath, f))
-                except FileNotFoundError:
-                    continue
-    return total
-
-
 def run(daemon: Daemon, text: str, name: str) -> tuple[dict, int]:
     """(the run, the peak size of its hidden states while it ran)."""
     run_id = daemon.submit(text, f"{name}.toml")
-    peak, done = [0], threading.Event()
-
-    def sample():
-        out = None
-        while not done.is_set():
-            if out is None:
-                out = daemon.run(run_id)["output_dir"]
-            if out:
-                peak[0] = max(peak[0], hs_bytes(Path(out) / "extract"))
-            time.sleep(0.02)
-
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
+    sampler = DiskSampler(Path(daemon.run(run_id)["output_dir"]) / "extract")
     r = daemon.wait_run(run_id, timeout=3600)
-    done.set()
-    t.join()
+    peak = sampler.stop()
     if r["state"] != "succeeded":
         raise SystemExit(f"{name}: run {run_id} {r['state']}: {r['reason']}\n{daemon.diagnose(run_id)}")
-    return r, peak[0]
+    return r, peak
 
 
 def times(r: dict) -> dict[str, tuple[float, float]]:

@@ -4,12 +4,10 @@ draft trained on the same run's default states, and extract wrote fp8 files of a
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import pytest
-from daemon_harness import Daemon, short_tmp
+from daemon_harness import private_daemon
 from runtoml import run_toml
 
 from eyas.workers.models import assets
@@ -40,20 +38,8 @@ def pipeline_toml(name: str, target: Path, data: Path, hidden_dtype: str) -> str
 
 @pytest.fixture(scope="module")
 def daemon():
-    home = short_tmp()
-    old = {k: os.environ.get(k) for k in ("EYAS_HOME", "XDG_RUNTIME_DIR")}
-    os.environ.update(EYAS_HOME=str(home), XDG_RUNTIME_DIR=str(home / "rt"))
-    d = Daemon(home).start()
-    try:
+    with private_daemon() as d:
         yield d
-    finally:
-        d.cleanup()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        shutil.rmtree(home, ignore_errors=True)
 
 
 def _run(daemon, name: str, toml: str) -> dict:

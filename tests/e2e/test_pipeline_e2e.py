@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemon_harness import Daemon, short_tmp, wait_for
+from daemon_harness import private_daemon, wait_for
 from runtoml import run_toml
 
 from eyas.state import queries
@@ -63,20 +63,8 @@ def train_only_toml(out: Path, target: Path) -> str:
 
 @pytest.fixture(scope="module")
 def daemon():
-    home = short_tmp()
-    old = {k: os.environ.get(k) for k in ("EYAS_HOME", "XDG_RUNTIME_DIR")}
-    os.environ.update(EYAS_HOME=str(home), XDG_RUNTIME_DIR=str(home / "rt"))
-    d = Daemon(home).start()
-    try:
+    with private_daemon() as d:
         yield d
-    finally:
-        d.cleanup()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

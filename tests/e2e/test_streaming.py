@@ -16,16 +16,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import sys
-import threading
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from daemon_harness import Daemon, short_tmp, wait_for
+from daemon_harness import private_daemon, wait_for
+from stream_world import DiskSampler, hs_bytes
 
 from eyas.state import specs
 
@@ -39,20 +37,8 @@ EPOCHS = 4
 
 @pytest.fixture(scope="module")
 def daemon():
-    home = short_tmp()
-    old = {k: os.environ.get(k) for k in ("EYAS_HOME", "XDG_RUNTIME_DIR")}
-    os.environ.update(EYAS_HOME=str(home), XDG_RUNTIME_DIR=str(home / "rt"))
-    d = Daemon(home).start()
-    try:
+    with private_daemon() as d:
         yield d
-    finally:
-        d.cleanup()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -80,40 +66,6 @@ def demo_toml(assets: dict, name: str, storage: dict | None = None, evaluate: bo
     # A hang fails its stage within 3 minutes, with the stacks, rather than holding the test.
     text += "".join(f"\n[stages.{s}]\nstall_timeout = 180\n" for s in ("extract",))
     return text.replace("[stages.train]\n", "[stages.train]\nstall_timeout = 180\n")
-
-
-def hs_bytes(extract_dir: Path) -> int:
-    """Every hidden-state file under extract/ (temp files included), as the test sees the disk."""
-    total = 0
-    for dirpath, _, files in os.walk(extract_dir):
-        for f in files:
-            if f.endswith((".safetensors", ".tmp")):
-                try:
-                    total += os.path.getsize(os.path.join(dirpath, f))
-                except FileNotFoundError:
-                    continue
-    return total
-
-
-class DiskSampler:
-    """The hidden-state directory's size, sampled every 20 ms while a run goes on."""
-
-    def __init__(self, extract_dir: Path):
-        self.dir, self.peak, self.samples = extract_dir, 0, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, hs_bytes(self.dir))
-            self.samples += 1
-            time.sleep(0.02)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
 
 
 def ok(daemon, run_id: int, run: dict) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -239,6 +240,24 @@ def bench_home() -> Path:
     home = short_tmp()
     os.environ.update(EYAS_HOME=str(home), XDG_RUNTIME_DIR=str(home / "rt"))
     return home
+
+
+@contextlib.contextmanager
+def private_daemon(grace: float = 3.0, extra_env: dict | None = None):
+    """A real daemon on a private state directory for a module's tests (EYAS_HOME and
+    XDG_RUNTIME_DIR set while it runs); its directory is removed afterwards unless
+    EYAS_TEST_KEEP_HOME is set (to read the daemon's files after a failure)."""
+    home = short_tmp()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EYAS_HOME", str(home))
+        mp.setenv("XDG_RUNTIME_DIR", str(home / "rt"))
+        d = Daemon(home, grace=grace, extra_env=extra_env)
+        try:
+            yield d.start()
+        finally:
+            d.cleanup()
+            if not os.environ.get("EYAS_TEST_KEEP_HOME"):
+                shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
-import shutil
 import textwrap
 from pathlib import Path
 
-import pytest
-from daemon_harness import Daemon, short_tmp
+from daemon_harness import private_daemon
 from safetensors.torch import load_file, save_file
 
 from eyas.workers.models import assets
@@ -150,20 +147,8 @@ def write_dataset(output_dir: Path, rows: list[list[int]]) -> None:
     ds.save_to_disk(str(output_dir / "prepare" / "dataset"))
 
 
-@contextlib.contextmanager
 def vllm_daemon(ext_dir: Path):
-    """A real daemon whose ranks find the test extensions in `ext_dir` and keep vLLM's CPU
-    cache small; its state directory is removed afterwards unless EYAS_TEST_KEEP_HOME is set
-    (to read the daemon's files after a failure)."""
-    home = short_tmp()
+    """A real daemon (daemon_harness.private_daemon) whose ranks find the test extensions in
+    `ext_dir` and keep vLLM's CPU cache small."""
     env = {**VLLM_ENV, "PYTHONPATH": os.pathsep.join([str(ext_dir), os.environ.get("PYTHONPATH", "")])}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EYAS_HOME", str(home))
-        mp.setenv("XDG_RUNTIME_DIR", str(home / "rt"))
-        d = Daemon(home, grace=5.0, extra_env=env)
-        try:
-            yield d.start()
-        finally:
-            d.cleanup()
-            if not os.environ.get("EYAS_TEST_KEEP_HOME"):
-                shutil.rmtree(home, ignore_errors=True)
+    return private_daemon(grace=5.0, extra_env=env)

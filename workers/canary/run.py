@@ -228,17 +228,19 @@ def worker_error(attempt_dir: Path) -> str | None:
     """The first TP worker's recorded error in `attempt_dir`, as 'TP worker k: Type: message' and its traceback."""
     import json
 
+    # The workers the daemon would read: those registered (contract.TP_PROC_GLOB), each with its
+    # own error file, as daemon/tpworkers.py reads them.
     found = []
-    for path in attempt_dir.glob(f"tp-*.{contract.ERROR}"):
+    for proc in attempt_dir.glob(contract.TP_PROC_GLOB):
+        k = contract.tp_rank_of(proc.name)
         try:
-            rec = json.loads(path.read_text(encoding="utf-8"))
+            rec = json.loads((attempt_dir / contract.tp_file(k, contract.ERROR)).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        found.append((rec.get("time") or 0, path.name, rec))
+        found.append((rec.get("time") or 0, k, rec))
     if not found:
         return None
-    _, name, rec = min(found, key=lambda f: (f[0], f[1]))
-    k = name.split("-", 1)[1].split(".", 1)[0]
+    _, k, rec = min(found, key=lambda f: (f[0], f[1]))
     head = f"TP worker {k}: {rec.get('type')}: {rec.get('message')}"
     return f"{head}\n{rec.get('traceback') or ''}".rstrip()
 
