@@ -176,23 +176,6 @@ def _outputs(run: dict) -> list[str]:
     return found
 
 
-def window_lines(run: dict) -> list[str]:
-    """A streaming run's window: its size against the budget, and each side's waits on the other."""
-    w = run.get("window")
-    if not w:
-        return []
-    ex = next((s.get("summary") or {} for s in run["stages"] if s["name"] == "extract"), {})
-    mode = {"keep": " (the whole dataset fits: kept)", "window": " (regenerated each epoch)"}.get(
-        ex.get("streaming"), ""
-    )
-    return [
-        f"  window: {display.size(w['bytes'])} last sampled, {display.size(w['peak'])} at most, of a "
-        f"{display.size(w['budget'])} budget{mode}",
-        f"  waits: extract on the window {int(w['extract_waits'])}x ({w['extract_wait_s']:.1f} s), "
-        f"train on extract {int(w['train_waits'])}x ({w['train_wait_s']:.1f} s)",
-    ]
-
-
 def show_lines(run: dict, now: float | None = None) -> list[str]:
     now = time.time() if now is None else now
     quiet_after = liveness.quiet_after()
@@ -231,7 +214,14 @@ def show_lines(run: dict, now: float | None = None) -> list[str]:
         if note:
             lines.append(f"  {s['name']} attempt {a['number']}: {note}")
 
-    lines += window_lines(run)
+    lines += ["  " + line for line in queries.window_lines(run.get("window"))]
+    # Where each Slurm attempt ran (a local attempt ran on the daemon's host).
+    for s in run["stages"]:
+        for a in s["attempt_list"]:
+            if a.get("slurm_job"):
+                lines.append(
+                    f"  {s['name']} attempt {a['number']}: Slurm job {a['slurm_job']} on {a['nodes'] or '(no node yet)'}"
+                )
 
     failures = []
     for s in run["stages"]:
@@ -381,7 +371,8 @@ def error_lines(rows: list[dict]) -> list[str]:
     for e in rows:
         if (e["stage"], e["attempt"]) != group:
             group = (e["stage"], e["attempt"])
-            lines += ([""] if lines else []) + [f"{e['stage']} attempt {e['attempt']}:"]
+            job = f" (Slurm job {e['slurm_job']})" if e.get("slurm_job") else ""
+            lines += ([""] if lines else []) + [f"{e['stage']} attempt {e['attempt']}{job}:"]
         where = [display.rank_label(e)]
         where += [f"pid {e['pid']}"] if e["pid"] is not None else []
         where += [f"on {e['host']}"] if e["host"] else []

@@ -67,13 +67,19 @@ class Agent:
                     group.watch(r)
                     self._record_worker(group, r)
                 else:
-                    pid, create_time = r.pid, r.create_time
+                    fields = {"pid": r.pid, "create_time": r.create_time}
+                    if r.host:  # a Slurm rank: its node, and its monitor there
+                        fields.update(host=r.host, monitor_pid=r.monitor_pid, monitor_create_time=r.monitor_create_time)
                     self.write_later(
-                        lambda db, a=attempt_id, r=r.rank, p=pid, c=create_time: store.upsert_rank(
-                            db, a, r, pid=p, create_time=c
-                        ),
+                        lambda db, a=attempt_id, r=r.rank, f=fields: store.upsert_rank(db, a, r, **f),
                         f"recording rank {r.rank}'s pid in eyas.db",
                     )
+            nodes = group.new_nodes()
+            if nodes:
+                self.write_later(
+                    lambda db, a=attempt_id, n=nodes: db["attempts"].update(a, {"nodes": n}),
+                    f"recording the nodes of run {group.run_id} {group.stage}",
+                )
             for ex in exits:
                 self._record_exit(group, ex)
             if group.teardown_since is None and any(group.counts_as_failure(e) for e in exits):
@@ -153,7 +159,7 @@ class Agent:
                 log_path=str(w.log_path),
                 role="tp-worker",
                 tp_rank=w.tp_rank,
-                # The vllm backend runs one driver rank (the stage refuses more).
+                # Driver rank 0's workers: the daemon watches only its files (contract.tp_dir_name).
                 parent_rank=0,
             )
             for rank in drivers:

@@ -24,7 +24,7 @@ from eyas.state import runconfig as run_config
 from eyas.wire import protocol
 from eyas.wire.protocol import ProtocolError
 
-from . import diskfull, stacks
+from . import diskfull
 from . import native as native_stacks
 from .group import Group
 from .storewriter import StoreBusy
@@ -147,7 +147,10 @@ class Api:
             # The folder first, then the row that records it: the id is one no folder on disk
             # has (paths.claim_run_dir), whatever the database remembers.
             last = db.execute("SELECT max(id) FROM runs").fetchone()[0] or 0
-            run_id, run_dir = paths.claim_run_dir(last + 1, self.home)
+            # A Slurm run's folder lies where its nodes see it ([slurm] state_dir), if not in
+            # the daemon's own state directory; its id stays the database's.
+            shared = cfg.slurm.state_dir if cfg.resources.executor == "slurm" else None
+            run_id, run_dir = paths.claim_run_dir(last + 1, Path(shared) if shared else self.home)
             claimed.append(run_dir)
             output_dir = Path(cfg.output_dir) if cfg.output_dir else run_dir / "out"
             data["output_dir"] = str(output_dir)
@@ -285,9 +288,9 @@ class Api:
             )
         members = [*group.ranks, *group.workers.values()]
         ranks = (
-            await stacks.collect(members, native_timeout=native_stacks.INTERACTIVE_TIMEOUT)
+            await group.collect_stacks(members, native_timeout=native_stacks.INTERACTIVE_TIMEOUT)
             if native
-            else stacks.request(members)
+            else group.request_stacks(members)
         )
         log.info(
             "run %s: %s attempt %d: stacks requested from %d ranks",

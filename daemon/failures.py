@@ -92,7 +92,7 @@ def failures(group: Group) -> list[RankExit]:
     be stamped before its cause.
     """
     members = list(group.ranks) + [group.workers[k] for k in sorted(group.workers)]
-    found = [r.exit for r in members if r.exit is not None and counts_as_failure(group, r.exit)]
+    found = [r.exit for r in members if r.exit is not None and group.counts_as_failure(r.exit)]
     found.sort(key=lambda e: (_failure_time(e), e.rank))
     if found and found[0].error is not None and _is_peer_loss(found[0].error):
         first = _failure_time(found[0])
@@ -107,6 +107,7 @@ def describe_failure(group: Group, ex: RankExit, host: str) -> contract.ErrorRec
     """The error record of one failed rank. Never empty: an exception keeps its type and
     traceback even with an empty message; a signal death names the signal."""
     rank = group.rank_of(ex.rank)
+    host = rank.host or host  # a Slurm rank's node
     tp = {"role": "tp-worker", "tp_rank": ex.tp_rank} if ex.tp_rank is not None else {}
     if ex.error is not None:
         e = ex.error

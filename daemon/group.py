@@ -30,9 +30,10 @@ from pathlib import Path
 import psutil
 
 from eyas.state import contract, procs, specs
+from eyas.state.contract import ErrorRecord
 
 from . import failures as root_cause
-from . import oom
+from . import oom, stacks
 from .logsplit import LogSplitter
 from .ranks import Rank, RankExit, create_time, read_json
 from .tpworkers import TPWorkers
@@ -91,6 +92,10 @@ class Group(TPWorkers):
     settle_retries: int = 0
     settling: bool = False  # its settlement is queued on the store thread
 
+    # Its processes run on the daemon's host, to be sampled, signalled and found by pid (a
+    # Slurm group's do not: daemon/slurmgroup.py).
+    local_processes = True
+
     # -- start -------------------------------------------------------------------------
 
     @classmethod
@@ -108,16 +113,7 @@ class Group(TPWorkers):
         config_path: Path | None,
         extra_env: dict[str, str] | None = None,
     ) -> Group:
-        dir.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            # Exclusively: a folder that exists holds another run's or attempt's files (a
-            # database lost or restored reissues ids), and not one byte may mix with them.
-            dir.mkdir()
-        except FileExistsError:
-            raise FileExistsError(
-                errno.EEXIST,
-                f"attempt directory {dir} already exists; eyas never writes into another attempt's directory",
-            ) from None
+        make_attempt_dir(dir)
         group = cls(run_id, stage, attempt_id, attempt, dir, world_size, devices, free_port())
         group.oom_before = oom.oom_kill_count()
         for r in range(world_size):
@@ -318,6 +314,25 @@ class Group(TPWorkers):
         """The ranks' own failures, earliest first: the first one is the root cause (daemon/failures.py)."""
         return root_cause.failures(self)
 
+    # -- stacks and ends ----------------------------------------------------------------
+
+    def request_stacks(self, members: list[Rank]) -> list[dict]:
+        """Ask the live members for their Python stacks (daemon/stacks.py); one record each."""
+        return stacks.request(members)
+
+    async def collect_stacks(self, members: list[Rank], **kwargs) -> list[dict]:
+        """The members' Python and native stacks (daemon/stacks.py's collect)."""
+        return await stacks.collect(members, **kwargs)
+
+    def new_nodes(self) -> str | None:
+        """The nodes the group was given, once, when newly known (a Slurm job's); None locally."""
+        return None
+
+    def outside_end(self, host: str) -> ErrorRecord | None:
+        """The root cause when something outside the ranks ended the group (a Slurm group's
+        scheduler: daemon/slurmgroup.py); a local group has none."""
+        return None
+
     # -- tear down ---------------------------------------------------------------------
 
     def member_pids(self) -> set[int]:
@@ -399,6 +414,19 @@ class Group(TPWorkers):
         left = self.member_pids()
         if left:
             log.error("group %s/%s: processes survived SIGKILL: %s", self.run_id, self.stage, sorted(left))
+
+
+def make_attempt_dir(dir: Path) -> None:
+    """Create an attempt's folder, exclusively: a folder that exists holds another run's or
+    attempt's files (a database lost or restored reissues ids), and not one byte may mix with them."""
+    dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        dir.mkdir()
+    except FileExistsError:
+        raise FileExistsError(
+            errno.EEXIST,
+            f"attempt directory {dir} already exists; eyas never writes into another attempt's directory",
+        ) from None
 
 
 def _zombie(pid: int) -> bool:

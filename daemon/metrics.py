@@ -25,6 +25,9 @@ def _ref(g: Group, member: Rank, progress: Path, exclude: frozenset[int] = froze
         if member.tp_rank is not None
         else (member.monitor_pid, member.monitor_create_time)
     )
+    if not g.local_processes:
+        # A Slurm rank's pid names a process on its node: only its progress file is read here.
+        pid, create_time = None, None
     return RankRef(
         g.run_id,
         g.stage,

@@ -93,6 +93,7 @@ class Rank:
     pid: int | None = None  # the worker, from rank-<r>.proc.json
     create_time: float | None = None
     device: str | None = None
+    host: str | None = None  # where it runs, when not the daemon's host (a Slurm rank's node)
     exit: RankExit | None = None
     role: str | None = None  # "driver", "tp-worker"; None for a plain rank
     tp_rank: int | None = None

@@ -21,6 +21,7 @@ from .group import Group, free_port
 from .limits import log_max_mb, set_bounds
 from .logsplit import LogSplitter
 from .ranks import Rank, RankExit, read_json
+from .slurmgroup import SlurmGroup, adopt_job
 
 log = logging.getLogger("eyas.daemon.recovery")
 
@@ -52,7 +53,8 @@ class Recovery:
         """
         for a, rows, since, cfg, run in await self.write(self._running_attempts, "reading the attempts to re-adopt"):
             attempt_dir = Path(a["dir"])
-            group = Group(
+            on_slurm = (cfg.get("resources") or {}).get("executor") == "slurm"
+            group = (SlurmGroup if on_slurm else Group)(
                 a["run_id"],
                 a["stage"],
                 a["id"],
@@ -63,6 +65,8 @@ class Recovery:
                 a["master_port"] or 0,
                 started_at=a["started_at"] or time.time(),
             )
+            if on_slurm:
+                adopt_job(group, a)
             unstarted, found_later = [], []
             for r in range(a["world_size"]):
                 row = rows.get(r) or {}
@@ -71,7 +75,9 @@ class Recovery:
                     unstarted.append(r)  # the log is made just before the process: never begun
                 mpid = row.get("monitor_pid") or proc.get("monitor_pid")
                 mct = row.get("monitor_create_time") or proc.get("monitor_create_time")
-                if not mpid and (found := intent.find_monitor(group, r)) is not None:
+                if on_slurm:
+                    unstarted, mpid = [], None  # Slurm starts its tasks; their proc files name them
+                elif not mpid and (found := intent.find_monitor(group, r)) is not None:
                     mpid, mct = found
                 if mpid and not row.get("monitor_pid"):
                     found_later.append((r, mpid, mct))  # its row was never written: now it is
@@ -95,6 +101,8 @@ class Recovery:
                         group.rank_error(rank),
                     )
                 rank.role = row.get("role")
+                if on_slurm and rank.exit is None:
+                    rank = group.slot(r)  # learnt again from its proc file, which names the job
                 group.ranks.append(rank)
             self._recover_workers(group, rows.values())
             # Progress lines already stored by the previous daemon feed the rates but are

@@ -121,6 +121,7 @@ class _Progress:
         self.counts: dict[str, float] = {}
         self.tokens = _Series(self.window_s)
         self.samples = _Series(self.window_s)
+        self.gpu_mem: float | None = None  # the largest gpu_mem_bytes a progress line reported
 
 
 def _number(value: Any) -> float | None:
@@ -254,9 +255,6 @@ class Sampler:
                     used = sum(gpu_mem.get(pid, 0) for pid in procs)
                     self._peak[key] = max(self._peak.get(key, 0), used)
                     row("gpu_mem_bytes", used)
-            if key in self._peak:
-                roll["peak_gpu_mem"] = float(self._peak[key])
-
             wrote = last_write(ref)
             if wrote is not None:
                 res.writes[key] = wrote
@@ -270,6 +268,10 @@ class Sampler:
                     roll["tok_s"] = mean
                 if prog.bad:
                     res.bad_lines[key] = prog.bad
+                if prog.gpu_mem is not None:  # a Slurm rank's, taken on its node (workers/runtime/node_gpu.py)
+                    self._peak[key] = max(self._peak.get(key, 0), int(prog.gpu_mem))
+            if key in self._peak:
+                roll["peak_gpu_mem"] = float(self._peak[key])
             if roll:
                 res.ranks[key] = roll
             per_stage[(ref.run_id, ref.stage)].append((ref, prog))
@@ -374,6 +376,8 @@ class Sampler:
                     row(name, value, t)
                 if name in _COUNTS:
                     prog.counts[name] = value
+                elif name == "gpu_mem_bytes":
+                    prog.gpu_mem = max(prog.gpu_mem or 0, value)
             tokens, samples = _number(rec.get("tokens")), _number(rec.get("samples"))
             if tokens is not None:
                 prog.tokens.add(t, tokens)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from eyas.state import contract, paths, specs, store
 from . import diskfull
 from .group import Group
 from .limits import log_max_mb, set_bounds
+from .slurmgroup import SlurmGroup
 
 log = logging.getLogger("eyas.daemon.scheduler")
 
@@ -54,8 +56,8 @@ class Scheduler:
         """The GPUs a stage needs, or None when they are busy. [] means CPU only."""
         wanted = cfg.get("resources", {}).get("devices", "auto")
         held = self._held_devices() if held is None else held
-        if wanted == "cpu" or not specs.STAGES[stage].gpus:
-            return []
+        if wanted == "cpu" or not specs.STAGES[stage].gpus or cfg.get("resources", {}).get("executor") == "slurm":
+            return []  # a Slurm job's GPUs are Slurm's to give ([slurm] gpus_per_node)
         if isinstance(wanted, list):
             return None if any(d in held for d in wanted) else list(wanted)
         count = self.sampler.gpu.device_count() if self.sampler.gpu_available else 0
@@ -63,12 +65,11 @@ class Scheduler:
             return []
         extract = cfg.get("extract", {})
         per_rank = 1
-        if stage == "preflight":  # its canary runs the extraction's engine at the same TP size
+        if stage == "preflight":  # its canary runs the extraction's engine: extract's GPUs per rank
             if "extract" not in cfg.get("pipeline", ()) or not extract.get("canary", True):
                 return []
-            if extract.get("backend") == "vllm":
-                per_rank = extract.get("tensor_parallel_size", 1)
-        elif stage == "extract" and extract.get("backend") == "vllm":
+            stage = "extract"
+        if stage == "extract" and extract.get("backend") == "vllm":
             per_rank = extract.get("tensor_parallel_size", 1)
         elif stage == "evaluate":  # vLLM at the run's TP size, target and draft on every GPU
             per_rank = (cfg.get("evaluate") or {}).get("tensor_parallel_size") or extract.get("tensor_parallel_size", 1)
@@ -225,20 +226,23 @@ class Scheduler:
     def _spawn_attempt(self, st: _Start) -> None:
         """Start the ranks of an attempt whose start is recorded, and record them."""
         run_id, stage, attempt_id, number = st.run_id, st.stage, st.attempt_id, st.number
+        common = dict(
+            run_id=run_id,
+            stage=stage,
+            attempt_id=attempt_id,
+            attempt=number,
+            dir=st.attempt_dir,
+            world_size=st.world_size,
+            output_dir=st.output_dir,
+            config_path=st.run_dir / "config.json",
+            # Each rank's monitor bounds its log by this (state/logcut.py).
+            extra_env={contract.LOG_MAX_MB: f"{log_max_mb(st.cfg, stage):g}"},
+        )
         try:
-            group = Group.spawn(
-                run_id=run_id,
-                stage=stage,
-                attempt_id=attempt_id,
-                attempt=number,
-                dir=st.attempt_dir,
-                world_size=st.world_size,
-                devices=st.devices,
-                output_dir=st.output_dir,
-                config_path=st.run_dir / "config.json",
-                # Each rank's monitor bounds its log by this (state/logcut.py).
-                extra_env={contract.LOG_MAX_MB: f"{log_max_mb(st.cfg, stage):g}"},
-            )
+            if (st.cfg.get("resources") or {}).get("executor") == "slurm":
+                group = SlurmGroup.submit(**common, python=sys.executable, slurm_cfg=st.cfg.get("slurm") or {})
+            else:
+                group = Group.spawn(**common, devices=st.devices)
         except OSError as exc:
             # The daemon could not even start the processes: that is the root cause. (Read
             # here: `exc` is unbound once the except clause ends, before the job runs.)
@@ -260,6 +264,12 @@ class Scheduler:
         # restarted daemon finds the ranks by their proc files or environment (intent.py).
         set_bounds(group, st.cfg)
         self.groups[attempt_id] = group
+        if isinstance(group, SlurmGroup):
+            job = group.job_id
+            self.write_later(
+                lambda db: db["attempts"].update(attempt_id, {"slurm_job": job}),
+                f"recording the Slurm job of run {run_id} {stage} attempt {number}",
+            )
         self.record_started(group, group.ranks, f"recording the ranks of run {run_id} {stage} attempt {number}")
         self._emit_state(run_id, "attempt", "running", f"attempt {number} started", stage=stage, attempt=number)
         log.info(

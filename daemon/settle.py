@@ -50,6 +50,11 @@ def describe(core, group: Group) -> Account:
     before the ranks' own failures; a straggler's record in time order)."""
     workers = group.settle_workers()
     records = failures.ordered(group, core.host, watchdog.record(group, core.host))
+    # Ended from outside its ranks (Slurm's TIMEOUT, NODE_FAIL, ...): that is the root cause,
+    # and the ranks' own failures, if any, come after it.
+    outside = group.outside_end(core.host)
+    if outside is not None:
+        records.insert(0, (None, outside))
     # The stage's summary is its last finished attempt's, a failed one's included (evaluate
     # records its figures, then fails on a lossless mismatch: the figures stay beside the error).
     summary = read_json(group.dir / contract.SUMMARY)

@@ -68,13 +68,20 @@ def request(ranks) -> list[dict]:
     return out
 
 
-async def collect(ranks, python_wait: float = PYTHON_WAIT, native_timeout: float = native.TIMEOUT) -> list[dict]:
-    """Every live process's stacks: request()'s records with the signalled ranks' Python dump
-    under "python" and py-spy's native dump added (native.add_to).
+async def collect(
+    ranks,
+    python_wait: float = PYTHON_WAIT,
+    native_timeout: float = native.TIMEOUT,
+    requester=request,
+    native_stacks: bool = True,
+) -> list[dict]:
+    """Every live process's stacks: `requester`'s records (request(), or a Slurm group's, which
+    signals through Slurm) with the signalled ranks' Python dump under "python" and, with
+    `native_stacks`, py-spy's native dump added (native.add_to).
 
     py-spy runs only once the Python dumps are in, or `python_wait` has passed: a signal that
     arrives while py-spy holds a process under ptrace can be swallowed by its detach."""
-    entries = request(ranks)
+    entries = requester(ranks)
     asked = [e for e in entries if "offset" in e]
     deadline = asyncio.get_running_loop().time() + python_wait
     while True:
@@ -83,4 +90,4 @@ async def collect(ranks, python_wait: float = PYTHON_WAIT, native_timeout: float
         if all(e["python"] for e in asked) or asyncio.get_running_loop().time() >= deadline:
             break
         await asyncio.sleep(0.05)
-    return await native.add_to(entries, native_timeout)
+    return await native.add_to(entries, native_timeout) if native_stacks else entries

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from . import stacks, stall, straggler
+from . import stall, straggler
 
 log = logging.getLogger("eyas.daemon.watchdog")
 
@@ -52,7 +52,7 @@ async def end(group, grace: float, recorded=lambda group: None) -> None:
     """Collect the stuck group's stacks, then tear it down (unless a teardown began meanwhile).
     `recorded(group)` makes the finding durable with its stacks before the first signal."""
     try:
-        group.stuck["asked"] = await stacks.collect([*group.ranks, *group.workers.values()])
+        group.stuck["asked"] = await group.collect_stacks([*group.ranks, *group.workers.values()])
     except Exception:
         # A failed dump must not leave the hang in place: tear down without the stacks.
         log.exception("run %s: %s attempt %d: collecting stacks failed", group.run_id, group.stage, group.attempt)

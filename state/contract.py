@@ -41,9 +41,15 @@ ATTEMPT_DIR = "EYAS_ATTEMPT_DIR"  # the directory this module's files live in
 OUTPUT_DIR = "EYAS_OUTPUT_DIR"
 CONFIG = "EYAS_CONFIG"  # the run's config.json (state/runconfig.py's to_dict)
 LOG_MAX_MB = "EYAS_LOG_MAX_MB"  # the rank log's bound, for the monitor
+# "1": the daemon cannot see this rank's processes (a Slurm task on its node: workers/runtime/
+# slurm_task.py sets it), so the rank's side reports what the daemon would otherwise read itself.
+REMOTE = "EYAS_REMOTE_RANK"
 RANK_FINALIZE = "EYAS_RANK_FINALIZE"  # "1": end with Python's finalisation, not os._exit
 
 # -- the files of an attempt ---------------------------------------------------------------------
+
+# The rank monitor every rank runs as (workers/runtime/monitor.py), locally and as a Slurm task.
+MONITOR_MODULE = "eyas.workers.runtime.monitor"
 
 LOG = "log"
 CUT = "cut.json"
@@ -78,6 +84,14 @@ def tp_file(tp_rank: int, kind: str) -> str:
     if kind not in (LOG, PROC, PROGRESS, ERROR):
         raise ValueError(f"{kind!r} is not a TP worker file")
     return f"tp-{tp_rank}.{kind}"
+
+
+def tp_dir_name(driver_rank: int | None) -> str | None:
+    """The folder, inside the attempt directory, of a vLLM driver's TP worker files: none (the
+    attempt directory itself) for driver rank 0, whose workers the daemon watches there, and
+    "driver-<r>" for each other driver of a data-parallel extraction, so that engines never
+    share a file name."""
+    return None if not driver_rank else f"driver-{driver_rank}"
 
 
 def rank_of_log(name: str) -> int | None:

@@ -21,12 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import display
+
 if TYPE_CHECKING:
     import sqlite_utils
 
 # The schema version these queries read (schema.LATEST, checked by a test): kept here
 # because importing eyas.state.schema pulls in sqlite_utils.
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 RUN_COLUMNS = ("id", "name", "model", "state", "stage", "started", "duration", "peak_gpu_mem", "tok_s")
 
@@ -121,6 +123,9 @@ def get_run(db: sqlite_utils.Database, run_id: int, *, now: float | None = None)
                     "duration": _duration(a["started_at"], a["ended_at"], now),
                     "root_cause": _error(root[0]) if root else None,
                     "ranks": ranks,
+                    # A Slurm attempt's job and nodes (schema 8; None for local attempts).
+                    "slurm_job": a.get("slurm_job"),
+                    "nodes": a.get("nodes"),
                 }
             )
         stages.append(
@@ -175,10 +180,27 @@ def errors(db: sqlite_utils.Database, run_id: int, stage: str | None = None) -> 
         where += " and stage = ?"
         params.append(stage)
     sql = f"SELECT * FROM errors WHERE {where} ORDER BY attempt_id DESC, root_cause DESC, time, rank"
+    rows = _rows(db, sql, params)
+    jobs = _slurm_jobs(db, {r["attempt_id"] for r in rows})
     return [
-        {"stage": r["stage"], "attempt": r["attempt"], "root_cause": bool(r["root_cause"]), **_error(r)}
-        for r in _rows(db, sql, params)
+        {
+            "stage": r["stage"],
+            "attempt": r["attempt"],
+            "root_cause": bool(r["root_cause"]),
+            "slurm_job": jobs.get(r["attempt_id"]),
+            **_error(r),
+        }
+        for r in rows
     ]
+
+
+def _slurm_jobs(db, attempt_ids: set[int]) -> dict[int, int]:
+    """attempt id -> its Slurm job, for the attempts that ran as one (none before schema 8)."""
+    if not attempt_ids or "slurm_job" not in {c[1] for c in db.execute("PRAGMA table_info(attempts)")}:
+        return {}
+    marks = ",".join("?" * len(attempt_ids))
+    sql = f"SELECT id, slurm_job FROM attempts WHERE slurm_job IS NOT NULL AND id IN ({marks})"
+    return dict(db.execute(sql, sorted(attempt_ids)).fetchall())
 
 
 def events(db: sqlite_utils.Database, run_id: int) -> list[dict[str, Any]]:
@@ -261,31 +283,105 @@ def _streams(config_json: str | None) -> bool:
 def stream_window(db, run_id: int) -> dict[str, Any] | None:
     """A streaming run's window (workers/extract/stream.py), from the ranks' progress metrics:
     its bytes now and at its peak, its budget, and how often (and how long) each side waited on
-    the other, over every attempt; None for a run that never streamed."""
-    sums = {}
-    for name, agg in (("window_budget", "MAX"), ("window_bytes", "MAX")):
-        row = db.execute(
-            f"SELECT {agg}(value) FROM metrics WHERE run_id=? AND stage='extract' AND name=?", [run_id, name]
-        ).fetchone()
-        sums[name] = row[0] if row else None
-    if sums["window_budget"] is None:
+    the other, over every attempt; its mode ("keep", "window", or None while not known) and the
+    dataset's size when known; None for a run that never streamed.
+
+    Every figure is an index probe or a walk of one series of one attempt: the TUI's Run screen
+    reads this each second while the run goes on, beside train's millions of samples."""
+    attempts = {
+        stage: [n for (n,) in db.execute("SELECT number FROM attempts WHERE run_id=? AND stage=?", [run_id, stage])]
+        for stage in ("extract", "train")
+    }
+
+    def per_rank(stage: str, name: str) -> list[float]:
+        """Each (attempt, rank)'s largest sample of `name`."""
+        return [
+            v
+            for a in attempts[stage]
+            for _, v in db.execute(
+                "SELECT rank, MAX(value) FROM metrics WHERE run_id=? AND stage=? AND attempt=? AND name=? GROUP BY rank",
+                [run_id, stage, a, name],
+            )
+            if v is not None
+        ]
+
+    budgets = per_rank("extract", "window_budget")
+    if not budgets:
         return None
-    now = db.execute(
-        "SELECT value FROM metrics WHERE run_id=? AND stage='extract' AND name='window_bytes' "
-        "ORDER BY time DESC LIMIT 1",
-        [run_id],
-    ).fetchone()
-    out = {"budget": sums["window_budget"], "peak": sums["window_bytes"], "bytes": now[0] if now else None}
+    now = None
+    for a in attempts["extract"]:
+        row = db.execute(
+            "SELECT time, value FROM metrics WHERE run_id=? AND stage='extract' AND attempt=? AND name='window_bytes' "
+            "ORDER BY time DESC LIMIT 1",
+            [run_id, a],
+        ).fetchone()
+        if row and (now is None or row[0] > now[0]):
+            now = row
+    out: dict[str, Any] = {
+        "budget": max(budgets),
+        "peak": max(per_rank("extract", "window_bytes"), default=None),
+        "bytes": now[1] if now else None,
+    }
     # Counts are cumulative per rank and attempt: each (attempt, rank)'s last value, summed.
-    for stage, prefix in (("extract", "extract"), ("train", "train")):
+    for stage in ("extract", "train"):
         for what in ("waits", "wait_s"):
-            row = db.execute(
-                "SELECT SUM(v) FROM (SELECT MAX(value) AS v FROM metrics WHERE run_id=? AND stage=? AND name=? "
-                "GROUP BY attempt, rank)",
-                [run_id, stage, f"{prefix}_{what}"],
-            ).fetchone()
-            out[f"{prefix}_{what}"] = (row[0] if row and row[0] is not None else 0.0) if row else 0.0
+            out[f"{stage}_{what}"] = float(sum(per_rank(stage, f"{stage}_{what}")))
+    out["mode"], out["dataset_bytes"] = _stream_mode(db, run_id, attempts["train"])
     return out
+
+
+def _stream_mode(db, run_id: int, train_attempts: list[int]) -> tuple[str | None, float | None]:
+    """(mode, dataset bytes) of a streaming run. Extract's rank 0 chooses the mode once and its
+    summary says which (train's too); before either stage ends, a shard train freed says
+    "window", since keep mode never frees one. None for what is not known yet."""
+    summaries = {
+        name: json.loads(text)
+        for name, text in db.execute(
+            "SELECT name, summary_json FROM stages WHERE run_id=? AND name IN ('extract', 'train') "
+            "AND summary_json IS NOT NULL",
+            [run_id],
+        )
+    }
+    ex, tr = (x if isinstance(x := summaries.get(name), dict) else {} for name in ("extract", "train"))
+    mode = ex.get("streaming") or tr.get("streaming")
+    if mode is None:
+        freed = any(
+            db.execute(
+                "SELECT 1 FROM metrics WHERE run_id=? AND stage='train' AND attempt=? AND name='shards_freed' "
+                "AND value > 0 LIMIT 1",
+                [run_id, a],
+            ).fetchone()
+            for a in train_attempts
+        )
+        mode = "window" if freed else None
+    return mode, ex.get("dataset_bytes")
+
+
+def window_lines(window: dict[str, Any] | None) -> list[str]:
+    """A streaming run's window (stream_window) as `eyas show` and the TUI's Run screen write it:
+    its size when last sampled and at its peak, each as a share of the budget, whether the
+    dataset is kept or made again each epoch, and each side's waits on the other; [] without a
+    window. Short lines: each fits the TUI's 80 columns unwrapped."""
+    if not window:
+        return []
+    budget = window["budget"]
+
+    def part(n: float | None) -> str:
+        if n is None:
+            return "–"
+        return f"{display.size(n)} ({n / budget:.0%})" if budget else display.size(n)
+
+    dataset = f" ({display.size(window['dataset_bytes'])})" if window.get("dataset_bytes") is not None else ""
+    mode = {
+        "keep": f"kept: the whole dataset{dataset} fits, later epochs read it from disk",
+        "window": f"regenerated each epoch: the dataset{dataset} does not fit the budget",
+    }.get(window.get("mode"), "kept or regenerated each epoch: not known yet")
+    return [
+        f"window: {part(window['bytes'])} last sampled, {part(window['peak'])} at most, budget {display.size(budget)}",
+        mode,
+        f"waits: extract on the window {int(window['extract_waits'])}x ({window['extract_wait_s']:.1f} s), "
+        f"train on extract {int(window['train_waits'])}x ({window['train_wait_s']:.1f} s)",
+    ]
 
 
 def gpu_memory(db, since: float) -> dict[int, dict[str, float]]:

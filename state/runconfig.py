@@ -36,6 +36,7 @@ DataFormat = Literal["auto", "sharegpt", "openai", "tokenized"]
 Backend = Literal["hf", "vllm"]
 Strategy = Literal["ddp", "fsdp"]
 StorageMode = Literal["offline", "streaming"]
+Executor = Literal["local", "slurm"]
 HiddenDtype = Literal["target", "fp8"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
 DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
@@ -192,6 +193,36 @@ class ExtractConfig(Table):
 class ResourcesConfig(Table):
     ranks: int = Field(1, ge=1, le=1024)
     devices: Annotated[Literal["auto", "cpu"] | tuple[int, ...], BeforeValidator(_devices)] = "auto"
+    # Who starts the ranks: "local", the daemon on its own host; "slurm", one Slurm job per
+    # attempt ([slurm], daemon/slurmgroup.py), its tasks on the nodes Slurm picks.
+    executor: Executor = "local"
+
+
+def _sbatch_args(args: tuple[str, ...]) -> tuple[str, ...]:
+    """[slurm] sbatch_args: sbatch options, none of those eyas writes itself."""
+    fixed = ("--ntasks", "--job-name", "--output", "--error", "--chdir", "--parsable", "--requeue", "--wrap")
+    for arg in args:
+        if not arg.startswith("-"):
+            raise ValueError(f'{arg!r} is not an sbatch option; write options like "--qos=high"')
+        if arg.split("=", 1)[0] in fixed:
+            raise ValueError(f"{arg!r}: eyas writes {arg.split('=', 1)[0]} itself; remove it")
+    return args
+
+
+class SlurmConfig(Table):
+    """[slurm]: how a run with resources.executor = "slurm" asks Slurm for its nodes."""
+
+    partition: str | None = None  # None: the cluster's default partition
+    account: str | None = None
+    time_limit: str | None = None  # sbatch --time, e.g. "2-00:00:00"; None: the partition's
+    nodes: int | None = Field(None, ge=1, le=4096)  # None: as many as Slurm needs for the ranks
+    gpus_per_node: int | None = Field(None, ge=0, le=64)
+    # TOML arrays arrive as lists: strict=False lets them become the tuple (the items stay strict).
+    sbatch_args: Annotated[tuple[str, ...], AfterValidator(_sbatch_args)] = Field((), strict=False)
+    # Where the run's folder (its attempts' logs and records; its outputs unless output_dir
+    # says otherwise) is made: a folder every node mounts at the same path (eyas doctor checks
+    # it from a job step). None: the daemon's state directory, which must then be shared.
+    state_dir: AbsPath | None = None
 
 
 class DraftConfig(Table):
@@ -273,6 +304,7 @@ class RunConfig(_Head):
     train: TrainConfig = Field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     stages: dict[str, StageConfig] = Field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -455,16 +487,13 @@ def validate(data: dict[str, Any], base_dir: str | os.PathLike, source: str) -> 
     train = _section(report, data, "train", TrainConfig) or TrainConfig()
     stages = _check_stages(report, data, pipeline)
     storage = _section(report, data, "storage", StorageConfig) or StorageConfig()
+    slurm = _section(report, data, "slurm", SlurmConfig) or SlurmConfig()
+    if "slurm" in data and resources.executor != "slurm" and report.ok("resources.executor"):
+        report.error("slurm", 'is read only by resources.executor = "slurm"; set that key or remove [slurm]')
     if storage.mode == "streaming" and not {"extract", "train"} <= set(pipeline):
         report.error("storage.mode", '"streaming" runs extract and train together; put both in the pipeline')
     if storage.mode == "streaming" and extract.backend == "vllm":
         report.error("storage.mode", '"streaming" needs extract.backend = "hf" (the vllm backend cannot stream yet)')
-    if storage.mode == "streaming" and storage.hidden_dtype == "fp8":
-        # The streaming producer's shards are written in the target dtype; refused rather than ignored.
-        report.error(
-            "storage.hidden_dtype",
-            '"fp8" is for offline runs (mode = "offline") yet; streaming stores the target dtype: remove this key',
-        )
 
     # Checks across tables, only between values that passed their own checks (a rejected value
     # has been reported; its default must not raise a second, misleading error).
@@ -509,6 +538,7 @@ def validate(data: dict[str, Any], base_dir: str | os.PathLike, source: str) -> 
         train=train,
         evaluate=evaluate,
         storage=storage,
+        slurm=slurm,
         stages=stages,
     )
 

@@ -237,6 +237,15 @@ def _m7_metric_series(db: sqlite_utils.Database) -> None:
     db["metrics"].create_index(["run_id", "stage", "attempt", "name", "rank", "time", "value"], if_not_exists=True)
 
 
+def _m8_slurm(db: sqlite_utils.Database) -> None:
+    """An attempt run as a Slurm job (resources.executor = "slurm", daemon/slurmgroup.py): its job
+    id (`attempts.slurm_job`), recorded as soon as sbatch answers so that a restarted daemon
+    re-adopts the job, and the nodes Slurm gave it (`attempts.nodes`, a hostlist as Slurm
+    writes it). NULL for local attempts."""
+    db["attempts"].add_column("slurm_job", int)
+    db["attempts"].add_column("nodes", str)
+
+
 MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     _m1_initial,
     _m2_tp_workers,
@@ -245,6 +254,7 @@ MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     _m5_stuck,
     _m6_last_write,
     _m7_metric_series,
+    _m8_slurm,
 ]
 LATEST = len(MIGRATIONS)
 

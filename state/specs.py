@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from eyas.state import contract
+
 
 class Table(BaseModel):
     """A table of a run's TOML: frozen, unknown keys refused, TOML types taken as written
@@ -231,7 +233,7 @@ DEFAULT_PIPELINE = ("prepare", "extract", "vocab", "train", "evaluate")
 
 def argv(python: str) -> list[str]:
     """The command line of one rank: the rank monitor, which runs the rank runtime."""
-    return [python, "-m", "eyas.workers.runtime.monitor"]
+    return [python, "-m", contract.MONITOR_MODULE]
 
 
 # --- the streaming pipeline ([storage] mode = "streaming", workers/extract/stream.py) ----------

@@ -5,7 +5,8 @@ daemon side of eyas never imports torch); the preflight stage (stages/preflight.
 same `run_checks`. Checks, cheapest first so a broken install is reported in a second:
 versions (versions.py) -> the data files prepare will read (data.py) ->
 target config, weights index, custom code (target.py) ->
-layer ids -> GPUs, memory, disk, output dir (resources.py) -> tokenizer and its chat
+layer ids -> GPUs, memory, a streaming run's shared GPUs (streaming.py), disk, output dir (resources.py) ->
+a Slurm run's clients and shared state directory (cluster.py) -> tokenizer and its chat
 template (tokenizer.py) -> adapter fit against the backend's classes (adapter.py).
 Exit status: 0 when nothing failed (warnings allowed), 1 when a check failed, 2 on bad usage.
 """
@@ -104,13 +105,19 @@ def run_checks(
     gpus = resources.probe_gpus() if cfg.resources.devices != "cpu" else resources.Gpus(False, [])
     gpu_check, usable = resources.gpus(cfg, gpus)
     checks.append(gpu_check)
+    from eyas.workers.doctor import streaming
+
     for extra in (
         resources.memory(cfg, facts.weight_bytes, usable, model=facts.config),
+        streaming.check(cfg, facts.weight_bytes, usable, facts.config, len(ids or ())),
         resources.disk(cfg, output_dir, len(ids or ()), facts.hidden_size),
     ):
         if extra is not None:
             checks.append(extra)
     checks.append(resources.writable(output_dir))
+    from eyas.workers.doctor import cluster
+
+    checks += cluster.check(cfg)
 
     from eyas.workers.doctor import tokenizer
 

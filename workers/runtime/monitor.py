@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -167,6 +168,11 @@ def main() -> int:
     except ValueError:
         mb = 0.0
     LogBound(file(contract.LOG), os.environ.get(contract.STAGE), mb).start()
+    if os.environ.get(contract.REMOTE) == "1":
+        # The daemon cannot read a Slurm rank's GPU memory from its host: taken here (node_gpu.py).
+        from eyas.workers.runtime.node_gpu import NodeGpuMemory
+
+        NodeGpuMemory(proc.pid, file(contract.PROGRESS)).start()
     try:
         atomic.write_json(
             file(contract.PROC),
@@ -175,6 +181,10 @@ def main() -> int:
                 "monitor_create_time": psutil.Process().create_time(),
                 "pid": proc.pid,
                 "create_time": psutil.Process(proc.pid).create_time(),
+                # Where it runs: a Slurm rank's pids mean something only on its node, and
+                # the daemon learns the rank by its job (daemon/slurmgroup.py).
+                "host": socket.gethostname(),
+                "slurm_job": int(os.environ["SLURM_JOB_ID"]) if os.environ.get("SLURM_JOB_ID", "").isdigit() else None,
             },
         )
     except (OSError, psutil.Error) as exc:

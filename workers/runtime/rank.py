@@ -144,10 +144,13 @@ def error_record(exc: BaseException, *, rank: int | None, stage: str | None, att
     else:
         message = str(exc)
     now = time.time()
+    # An exception that carries the failure it stands for (a vLLM TP worker's, read back from
+    # its error file by the driver: workers/vllm/tpfailure.py) is recorded as that failure.
+    own = getattr(exc, "eyas_record", None) or {}
     return {
-        "type": type_name(exc),
-        "message": message,
-        "traceback": "".join(traceback.format_exception(exc)),  # chained causes included
+        "type": own.get("type") or type_name(exc),
+        "message": own.get("message", message),
+        "traceback": own.get("traceback") or "".join(traceback.format_exception(exc)),  # chained causes included
         "rank": rank,
         "pid": os.getpid(),
         "host": socket.gethostname(),

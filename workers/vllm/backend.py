@@ -1,4 +1,4 @@
-"""The extract stage's `vllm` backend: rank 0 drives a vLLM engine whose TP workers capture.
+"""The extract stage's `vllm` backend: each rank drives a vLLM engine whose TP workers capture, the ranks data parallel over one batch plan.
 
 The driver (this module, in rank 0) builds `vllm.LLM(tensor_parallel_size=tp,
 enforce_eager=True, worker_extension_cls=eyas.workers.vllm.ext.EyasWorkerExtension)` and
@@ -47,6 +47,7 @@ anything. What eyas touches inside vLLM, and how each supported release is met:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -54,10 +55,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from eyas.state.runconfig import default_layer_ids, num_hidden_layers
+from eyas.state.slurm import node_batches
 from eyas.workers.extract.output import HIDDEN_STATES_DIR, TargetInfo, claim_output, finish, identity
 from eyas.workers.extract.plan import Settings, Stats, check_row, load_dataset, plan_batches, resume, row_lengths
 from eyas.workers.models import hf_target
 from eyas.workers.models.adapters import Decoder
+from eyas.workers.runtime import atomic
+from eyas.workers.vllm import tpfailure
 from eyas.workers.vllm import version as vllm_version
 from eyas.workers.vllm.settings import is_mla, with_native_rotary
 
@@ -320,47 +324,54 @@ class Engine:
 
 
 def main(ctx, settings: Settings) -> None:
-    """Backend `vllm`: this rank drives a vLLM engine; its TP rank 0 worker writes the files."""
-    # Fail in milliseconds on what needs no engine: version, architecture, ranks, dataset.
+    """Backend `vllm`: this rank drives a vLLM engine; its TP rank 0 worker writes the files.
+
+    With several ranks, each drives its own engine (at tensor_parallel_size over its own GPUs:
+    one engine per node under Slurm) over its share of the one batch plan (share()); rank 0
+    writes data_config.json and summary.json once every rank has reported (gather())."""
+    # Fail in milliseconds on what needs no engine: version, architecture, dataset.
     vllm_version.check()
     arch, adapter, model_cfg = hf_target.check(settings.target_path)
-    if ctx.world_size != 1:
-        raise ValueError(
-            f'extract.backend = "vllm" runs one driver rank, which drives '
-            f"{settings.tensor_parallel_size} tensor-parallel workers; the run starts {ctx.world_size}: "
-            "set stages.extract.ranks = 1 (or resources.ranks = 1)"
-        )
     dataset = load_dataset(settings.dataset_dir)
     lengths = row_lengths(dataset, settings.dataset_dir)
     n = num_hidden_layers(settings.target_path)
     layer_ids = Decoder(None, None, None, n, "").check_ids(settings.layer_ids or default_layer_ids(n))
-    plan = plan_batches(lengths, 1, 0, settings.batch_size)
+    plan = share(plan_batches(lengths, 1, 0, settings.batch_size), lengths, ctx.rank, ctx.world_size)
     hs_dir = settings.out_dir / HIDDEN_STATES_DIR
     claim_output(settings.out_dir, identity(settings, arch, layer_ids, dataset))
-    with ctx.progress.beating("vllm engine start"):  # weight load, profiling, compilation: silent minutes
-        engine = Engine.start(
-            target_path=settings.target_path,
-            architecture=arch,
-            dtype=settings.dtype,
-            tp=settings.tensor_parallel_size,
-            trust_remote_code=settings.trust_remote_code,
-            layer_ids=layer_ids,
-            hs_dir=hs_dir,
-            max_len=max(lengths, default=1),
-            options=settings.vllm_options,
-            extension=settings.worker_extension or EXTENSION,
-            model_cfg=model_cfg,
-            hidden_dtype=settings.hidden_dtype,
-        )
     try:
-        first = reply_of(engine.setup, engine.tp, 0)
-        if first["num_layers"] != n:
-            raise RuntimeError(
-                f"vLLM's {first['decoder_class']} has {first['num_layers']} layers; config.json says {n}"
+        with ctx.progress.beating("vllm engine start"):  # weight load, profiling, compilation: silent minutes
+            engine = Engine.start(
+                target_path=settings.target_path,
+                architecture=arch,
+                dtype=settings.dtype,
+                tp=settings.tensor_parallel_size,
+                trust_remote_code=settings.trust_remote_code,
+                layer_ids=layer_ids,
+                hs_dir=hs_dir,
+                max_len=max(lengths, default=1),
+                options=settings.vllm_options,
+                extension=settings.worker_extension or EXTENSION,
+                model_cfg=model_cfg,
+                hidden_dtype=settings.hidden_dtype,
             )
-        stats, steps = run(engine, dataset, lengths, plan, hs_dir, progress=ctx.progress)
-    finally:
-        engine.shutdown()
+        try:
+            first = reply_of(engine.setup, engine.tp, 0)
+            if first["num_layers"] != n:
+                raise RuntimeError(
+                    f"vLLM's {first['decoder_class']} has {first['num_layers']} layers; config.json says {n}"
+                )
+            stats, steps = run(engine, dataset, lengths, plan, hs_dir, progress=ctx.progress)
+        finally:
+            engine.shutdown()
+    except Exception as exc:
+        better = tpfailure.surfaced(exc, ctx.attempt_dir, ctx.rank)
+        if better is not None:
+            raise better from exc
+        raise
+    totals = gather(ctx, stats.totals(), steps)
+    if ctx.rank != 0:
+        return
     info = TargetInfo(arch, model_cfg.get("model_type"), adapter.family, first["decoder_path"], n, first["hidden_size"])
     finish(
         ctx,
@@ -369,7 +380,7 @@ def main(ctx, settings: Settings) -> None:
         layer_ids,
         lengths,
         hs_dir,
-        stats.totals(),
+        totals,
         extra={
             "tensor_parallel_size": settings.tensor_parallel_size,
             "vllm": {
@@ -379,8 +390,41 @@ def main(ctx, settings: Settings) -> None:
                 "layer_class": first["layer_class"],
             },
         },
-        summary_extra={"vllm_steps": steps},
+        summary_extra={"vllm_steps": steps, "engines": ctx.world_size},
     )
+
+
+def share(plan: list[list[int]], lengths, rank: int, world_size: int) -> list[list[int]]:
+    """Rank `rank`'s batches of the one plan: all of them for a single engine; else its deal by
+    tokens (state/slurm.py's node_batches), each batch whole on exactly one engine, so every
+    engine computes the batches (and paddings) a single one would, and a retry the same."""
+    if world_size == 1:
+        return plan
+    return node_batches(plan, lengths, rank, world_size)
+
+
+GATHER_POLL_S = 0.5
+
+
+def gather(ctx, totals: list[int], steps: dict) -> list[int]:
+    """With several engines: every rank's totals, summed, on rank 0 (the others get their own).
+
+    Through files in the attempt directory rather than torch.distributed: the driver's process
+    stays free of a process group beside vLLM's own, and under Slurm the attempt directory is
+    the one place every node shares. A rank that fails instead of reporting ends the attempt
+    (the daemon tears rank 0 down with it), so rank 0 waits without a timeout of its own; the
+    stall watchdog still sees its heartbeat."""
+    if ctx.world_size == 1:
+        return totals
+    atomic.write_json(ctx.attempt_dir / f"rank-{ctx.rank}.engine.json", {"totals": totals, "steps": steps})
+    if ctx.rank != 0:
+        return totals
+    want = [ctx.attempt_dir / f"rank-{r}.engine.json" for r in range(ctx.world_size)]
+    with ctx.progress.beating("waiting for the other engines' reports"):
+        while not all(p.exists() for p in want):
+            time.sleep(GATHER_POLL_S)
+    reports = [json.loads(p.read_text())["totals"] for p in want]
+    return [sum(column) for column in zip(*reports, strict=True)]
 
 
 def run(engine: Engine, dataset, lengths, plan, hs_dir, progress=None) -> tuple[Stats, dict]:

@@ -56,8 +56,17 @@ _lock = threading.Lock()
 
 
 def attempt_dir() -> Path | None:
+    """Where this worker's tp-<k> files go: the attempt directory, or its driver's folder in it
+    when its driver is not rank 0 (contract.tp_dir_name)."""
     raw = os.environ.get(contract.ATTEMPT_DIR)
-    return Path(raw) if raw else None
+    if not raw:
+        return None
+    sub = contract.tp_dir_name(_int(os.environ.get(contract.RANK)))
+    if sub is None:
+        return Path(raw)
+    path = Path(raw) / sub
+    path.mkdir(exist_ok=True)
+    return path
 
 
 def _device(local_rank: int) -> str:

@@ -697,3 +697,22 @@ def test_last_write_is_the_newer_of_the_log_and_the_progress_file(tmp_path):
     assert "last_write" not in res.ranks.get((7, 0), {})  # metrics.py joins it to the roll-up
     os.utime(log, (1800.0, 1800.0))  # a log line after the last progress record
     assert s.sample([ref], now=2000.0).writes == {(7, 0): 1800.0}
+
+
+def test_a_remote_ranks_gpu_memory_comes_from_its_progress_file(tmp_path):
+    # A Slurm rank: no process on this host (no root pid), its monitor on the node appends
+    # NVML's figure to the progress file (workers/runtime/node_gpu.py).
+    progress = tmp_path / "rank-0.progress.jsonl"
+    now = time.time()
+    lines = [
+        {"time": now - 3, "samples": 1, "tokens": 10},
+        {"time": now - 2, "gpu_mem_bytes": 5_000_000_000},
+        {"time": now - 1, "gpu_mem_bytes": 4_000_000_000},
+    ]
+    progress.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    s = Sampler(nvml=NoDriverNvml())
+    res = s.sample([ref_for(None, tmp_path, progress=progress)])
+    assert [m["value"] for m in rows(res, "gpu_mem_bytes")] == [5e9, 4e9]
+    assert res.ranks[(7, 0)]["peak_gpu_mem"] == 5e9  # the peak, not the last figure
+    progress.write_text(progress.read_text() + json.dumps({"time": now, "gpu_mem_bytes": 6_000_000_000}) + "\n")
+    assert s.sample([ref_for(None, tmp_path, progress=progress)]).ranks[(7, 0)]["peak_gpu_mem"] == 6e9
