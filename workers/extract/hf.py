@@ -92,6 +92,10 @@ def _stream(ctx, settings: Settings, target, layer_ids, dataset, lengths, hs_dir
     else:
         stream.wait_for(stream.plan_path(settings.out_dir), ctx.progress, "waiting for rank 0's stream plan")
     st = stream.load(settings.out_dir, settings.dataset_dir.parent, ctx.config or {}, lengths)
+    if ctx.rank == 0:
+        # The window's count, from what a killed attempt left; before the all_reduce below, so
+        # before any rank admits a batch against it (stream.py: Ledger).
+        stream.Ledger(settings.out_dir).rebuild(st)
     # Rank 0's reading of train's checkpoint, on every rank: positions in the stream count from it.
     mine = list(stream.resume_point(ctx.output_dir / "train")) if ctx.rank == 0 else [0, 0]
     start = tuple(int(v) for v in dist.all_reduce(torch.tensor(mine, dtype=torch.int64)).tolist())

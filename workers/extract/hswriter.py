@@ -112,9 +112,11 @@ _STOP = object()
 class HiddenStatesWriter:
     """`put(job)` from the compute loop; `close()` waits for every file and re-raises a failure."""
 
-    def __init__(self, directory: Path, max_pending: int = 2, hidden_dtype: str = "target"):
+    def __init__(self, directory: Path, max_pending: int = 2, hidden_dtype: str = "target", replace=os.replace):
         self.directory = Path(directory)
         self.hidden_dtype = hidden_dtype  # [storage] hidden_dtype: how each file stores its states
+        # Moves a finished temp file to its name; streaming counts the file as it lands (extract/stream.py: Ledger).
+        self.replace = replace
         self.directory.mkdir(parents=True, exist_ok=True)
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
@@ -163,7 +165,7 @@ class HiddenStatesWriter:
                 for item in job.items:
                     # A contiguous view: rows of a [batch, seq, ...] tensor cut at `length`.
                     hidden = job.hidden[item.row, : item.length]
-                    with atomic.atomic_path(self.directory / file_name(item.idx)) as tmp:
+                    with atomic.atomic_path(self.directory / file_name(item.idx), self.replace) as tmp:
                         size = hsformat.write(tmp, hidden, item.token_ids, self.hidden_dtype)
                     self.written += 1
                     self.bytes += size

@@ -70,12 +70,12 @@ class Producer:
     to the writer.
 
     Admission is strict, under one lock for every rank (stream/window.lock): a batch at position
-    p goes when the files on disk, every rank's batches in flight and the shards still missing
-    before p (from the start of the step train needs now) leave room for it. Shards before p are
-    needed first, so room is kept for them: the earliest missing batch always finds room once
-    train frees its last step, and a later batch can never take it. Only a budget smaller than
-    one step can still block that batch: after GRACE_S it goes over, with a warning, rather than
-    deadlock.
+    p goes when the files on disk (the Ledger's count, stream.py), every rank's batches in
+    flight and the shards still missing before p (from the start of the step train needs now)
+    leave room for it. Shards before p are needed first, so room is kept for them: the earliest
+    missing batch always finds room once train frees its last step, and a later batch can never
+    take it. Only a budget smaller than one step can still block that batch: after GRACE_S it
+    goes over, with a warning, rather than deadlock.
     """
 
     GRACE_S = 10.0
@@ -95,6 +95,7 @@ class Producer:
         self.started = hswriter.process_start_time()
         self.stream_dir = st.extract_dir / stream.STREAM_DIR
         self.stream_dir.mkdir(parents=True, exist_ok=True)
+        self.ledger = stream.Ledger(st.extract_dir)  # the window's bytes, counted, never scanned
         self.mine = self.stream_dir / f"inflight-{ctx.rank}.json"
         self._publish()
 
@@ -144,7 +145,7 @@ class Producer:
             for i in before
             if i not in busy and not (self.st.dir_for(self.items[i][0]) / hswriter.file_name(self.items[i][1])).exists()
         )
-        disk = self.st.window_bytes()
+        disk = self.ledger.total()  # we hold the lock: exact, and no listing of the window
         self.peak = max(self.peak, disk)
         used = disk + sum(n for _, _, n in flights)
         return used + earlier + est <= self.st.budget
@@ -158,7 +159,7 @@ class Producer:
     def _admit(self, pos: int, end: int, est: int, files: int, beating) -> None:
         t0 = None
         while True:
-            with _locked(self.stream_dir / "window.lock"):
+            with stream.locked(self.st.extract_dir):
                 fits = self._fits(pos, end, est)
                 late = t0 is not None and time.monotonic() - t0 > self.GRACE_S
                 if not fits and late and pos < self.st.needed_through(self._need(), self.start):
@@ -187,13 +188,15 @@ class Producer:
             self.writer = None
         if self.writer is None:
             self.writer = hswriter.HiddenStatesWriter(
-                directory, hidden_dtype=getattr(self.settings, "hidden_dtype", "target")
+                directory,
+                hidden_dtype=getattr(self.settings, "hidden_dtype", "target"),
+                replace=self.ledger.replace,  # each shard lands and is counted under the window's lock
             )
         self.writer.put(job)
 
     def metrics(self) -> dict:
         return {
-            "window_bytes": self.st.window_bytes(),
+            "window_bytes": self.ledger.total(),
             "window_budget": self.st.budget,
             "extract_waits": self.waits,
             "extract_wait_s": round(self.wait_s, 3),
@@ -209,18 +212,6 @@ class Producer:
     def abort(self) -> None:
         if self.writer is not None:
             self.writer.abort()
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    import fcntl
-
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def run(ctx, settings, target, layer_ids, dataset, lengths, st: stream.Stream, start, stats, per_token: int):
@@ -310,13 +301,7 @@ def prune_before(st: stream.Stream, start: tuple[int, int]) -> int:
         order, ends = st.orders[e]
         upto = len(order) if e < e0 else (ends[k0 - 1] if k0 > 0 else 0)
         doomed += [st.dir_for(e) / hswriter.file_name(r) for r in order[:upto]]
-    freed = 0
-    for path in doomed:
-        try:
-            path.unlink()
-            freed += 1
-        except FileNotFoundError:
-            continue
+    freed = stream.Ledger(st.extract_dir).free(doomed)
     if freed:
         log.info("freed %d shards train had used before its resume point", freed)
     return freed

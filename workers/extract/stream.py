@@ -19,11 +19,14 @@ daemon/settle.py). Resume: extract starts at train's latest checkpoint, where tr
 writes only the shards that are missing; a shard train freed after its checkpoint is made again.
 
 Files are written whole (tmp + rename, workers/extract/hswriter.py), so a shard that exists is
-complete; the trainer polls for the next one it needs.
+complete; the trainer polls for the next one it needs. The window's bytes are a running count
+(Ledger: stream/window.json), changed under the window's lock as each shard lands or is freed,
+and rebuilt from a listing once as extract starts; admission never lists the window.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -40,6 +43,8 @@ STREAM_DIR = "stream"
 PLAN = "plan.json"
 TRAINER = "trainer.json"
 DONE = "done.json"
+LOCK = "window.lock"
+LEDGER = "window.json"  # the window's bytes and files, a running count (Ledger)
 WINDOW_DIR = "window"
 HS_DIR = "hidden_states"
 POLL_S = 0.05
@@ -145,9 +150,13 @@ class Stream:
         e, k = need if need is not None else start
         return self.index((e, k + 1), start)
 
-    def window_bytes(self) -> int:
-        """Bytes of every hidden-state file (and temp file) now on disk, validation rows included."""
-        total = 0
+    def scan_bytes(self) -> tuple[int, int]:
+        """(bytes, files) of every finished shard now on disk, validation rows included, found by
+        listing the directories: what the Ledger starts from, never what a batch's admission
+        reads. Temp files are a batch in flight, which admission counts at its estimate."""
+        from eyas.workers.extract.hswriter import FILE_RE
+
+        total = files = 0
         dirs = [self.extract_dir / HS_DIR]
         window = self.extract_dir / WINDOW_DIR
         if window.is_dir():
@@ -158,12 +167,107 @@ class Stream:
             except FileNotFoundError:
                 continue
             for entry in entries:
+                if not FILE_RE.fullmatch(entry.name):
+                    continue
                 try:
                     if entry.is_file(follow_symlinks=False):
                         total += entry.stat().st_size
+                        files += 1
                 except FileNotFoundError:  # freed meanwhile
                     continue
+        return total, files
+
+
+@contextlib.contextmanager
+def locked(extract_dir: Path):
+    """The window's one lock, across every extract and train rank (stream/window.lock): a batch's
+    admission, a shard's arrival under its final name and its freeing each hold it."""
+    import fcntl
+
+    stream_dir = extract_dir / STREAM_DIR
+    stream_dir.mkdir(parents=True, exist_ok=True)
+    with open(stream_dir / LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class Ledger:
+    """The window's bytes on disk as a running count (stream/window.json: bytes and files), kept
+    exact under the window's lock: a shard is renamed to its final name and added, or removed
+    and subtracted, in one holding of the lock, by whichever rank does it.
+
+    Why not list the directories: admission checks the window before every batch, on every
+    extract rank, under the lock that every other rank and the trainer wait on; a window of
+    thousands of shards (keep mode holds the whole dataset) made that a scan of thousands of
+    files per batch. The shard itself is the record of its size (its inode), so the count needs
+    no per-shard table: the one who adds or frees it stats it under the lock.
+
+    A process killed between the rename (or the unlink) and the count's write leaves the count
+    off by that shard, so extract's rank 0 rebuilds it from a scan when it starts, before any
+    rank admits a batch (a streaming run's halves always restart together, daemon/settle.py).
+    A rebuild under the lock is exact whatever else runs: it replaces the count, it does not
+    add to it. The file is rewritten whole (temp + rename) but not fsynced: after a power loss
+    the rebuild makes it right again.
+    """
+
+    def __init__(self, extract_dir: Path):
+        self.extract_dir = Path(extract_dir)
+        self.path = self.extract_dir / STREAM_DIR / LEDGER
+
+    def read(self) -> tuple[int, int]:
+        """(bytes, files) as last written; safe without the lock, the file is replaced whole."""
+        try:
+            d = json.loads(self.path.read_text())
+            return int(d["bytes"]), int(d["files"])
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return 0, 0
+
+    def total(self) -> int:
+        return self.read()[0]
+
+    def _write(self, total: int, files: int) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"bytes": total, "files": files}))
+        os.replace(tmp, self.path)
+
+    def rebuild(self, st: Stream) -> int:
+        """Count what is on disk now (once, as an attempt starts); returns the bytes."""
+        with locked(self.extract_dir):
+            total, files = st.scan_bytes()
+            self._write(total, files)
         return total
+
+    def replace(self, tmp: Path, final: Path) -> None:
+        """Move a written shard to its final name and count it (atomic.atomic_path's `replace`)."""
+        with locked(self.extract_dir):
+            total, files = self.read()
+            size = os.stat(tmp).st_size
+            try:  # written again over an older copy (never in a healthy run): that copy goes
+                total, files = total - os.stat(final).st_size, files - 1
+            except FileNotFoundError:
+                pass
+            os.replace(tmp, final)
+            self._write(total + size, files + 1)
+
+    def free(self, paths) -> int:
+        """Delete these shards (those that exist) and uncount them; returns how many."""
+        freed = 0
+        with locked(self.extract_dir):
+            total, files = self.read()
+            for path in paths:
+                try:
+                    size = os.stat(path).st_size
+                    os.unlink(path)
+                except FileNotFoundError:
+                    continue
+                total, files, freed = total - size, files - 1, freed + 1
+            if freed:
+                self._write(total, files)
+        return freed
 
 
 def sibling_ranks(cfg: dict, stage: str) -> int:

@@ -55,11 +55,13 @@ def _fsync_dir(directory: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike[str], replace=os.replace) -> Iterator[Path]:
     """Yield a temp path next to `path`; on a clean exit fsync it and move it over `path`.
 
     For libraries that write a file themselves (safetensors' `save_file(tensors, tmp)`).
-    On an exception the temp file is removed and `path` is left as it was.
+    On an exception the temp file is removed and `path` is left as it was. `replace(tmp, path)`
+    does the move: a caller that counts its files (the streaming window's ledger,
+    extract/stream.py) moves and counts under one lock.
     """
     path = Path(path)
     tmp = _temp_name(path)
@@ -70,7 +72,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

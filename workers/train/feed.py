@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ class Feed:
         if self.main:  # the last attempt's word, if it ended after saying it
             (extract_dir / stream.STREAM_DIR / stream.DONE).unlink(missing_ok=True)
         self.ledger = out_dir / LEDGER_DIR / f"rank-{ctx.rank}.jsonl"
+        self.window = stream.Ledger(extract_dir)
         self.waits = 0  # steps this rank waited for extract
         self.wait_s = 0.0
         self.freed = 0
@@ -85,12 +85,8 @@ class Feed:
         if self.stream.keep:
             return
         directory = self.dir_for(epoch)
-        for r in rows:
-            try:
-                os.unlink(directory / hswriter.file_name(r))
-                self.freed += 1
-            except FileNotFoundError:
-                continue
+        # Deleted and uncounted under the window's lock: the extractor's admission reads the count.
+        self.freed += self.window.free([directory / hswriter.file_name(r) for r in rows])
 
     def metrics(self) -> dict:
         return {"train_waits": self.waits, "train_wait_s": round(self.wait_s, 3), "shards_freed": self.freed}

@@ -767,3 +767,36 @@ def test_a_run_whose_preflight_fails_starts_no_other_stage(daemon, tmp_path, tok
     assert [c["name"] for c in summary["checks"] if c["verdict"] == "fail"] == ["chat template"]
     assert "FAIL  tokenizer: chat template" in (attempt_dir / "rank-0.log").read_text()
     assert not (tmp_path / "out" / "extract").exists()
+
+
+def test_a_streaming_llama_on_one_40gb_gpu_is_told_that_training_beside_extract_does_not_fit(
+    tmp_path, monkeypatch, tokenizer_files
+):
+    """The streaming check through the doctor itself (workers/doctor/streaming.py): with one GPU,
+    train shares extract's; the hf extractor's 19.08 GB (the memory check's figure) and a training
+    rank's 22.78 GB pass 39 GB free, and the fixes are those the same arithmetic fits."""
+    target = make_model(tmp_path, "llama", tokenizer_files)
+    fake_gpus(tmp_path, monkeypatch, 1, total=40 * 10**9, name="NVIDIA A100-SXM4-40GB")
+    run = write_run(tmp_path, target, backend="hf", tp=1, trust=False)
+    run.write_text(run.read_text() + '\n[storage]\nmode = "streaming"\n')
+    c = by_label(doctor.diagnose(str(run)))
+    s = c["resources: streaming"]
+    assert (s.verdict, s.data["placement"], s.data["extract_share"]) == (
+        "fail",
+        "shared",
+        c["resources: memory"].data["need"],
+    )
+    assert s.data["train_need"] == 22_775_545_856 and s.data["need"] == 19_080_421_376 + 22_775_545_856
+    assert s.detail == (
+        "train shares extract's GPUs (1 for extract, 1 usable, 1 train rank(s)): the hf extractor's 19.08 GB (the "
+        "memory check's arithmetic) + a training rank needs draft 0.29 B trainable + 0.79 B frozen parameters: "
+        "weights 4.32 GB (fp32) + grads 1.17 GB + AdamW 2.35 GB + activations 13.85 GB (8192 tokens a step) + "
+        "CUDA context 1.07 GB = 22.78 GB = 41.86 GB, over GPU 0's 39.00 GB free"
+    )
+    assert s.fix == (
+        "lower train.batch_tokens to 4096; or run where 2 GPUs are usable, so that train's 1 rank(s) take GPUs of "
+        "their own"
+    )
+    fake_gpus(tmp_path, monkeypatch, 2, total=40 * 10**9, name="NVIDIA A100-SXM4-40GB")
+    apart = by_label(doctor.diagnose(str(run)))["resources: streaming"]
+    assert (apart.verdict, apart.data["placement"]) == ("pass", "separate")

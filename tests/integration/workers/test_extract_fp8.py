@@ -30,15 +30,6 @@ BOUND = 2.0**-4
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    """One intra-op thread: two-thread OpenMP on two shared cores is many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
 def runs(tmp_path_factory, one_thread):
     """The same prepared data extracted twice, with the default storage (the target's float32)
     and with fp8, then trained on each with the same seed: {"plain"|"fp8": (out, cfg, train ctx)}."""

@@ -51,12 +51,28 @@ def test_a_bad_value_is_one_line_naming_the_key_and_the_choices(tmp_path, value,
     assert str(err.value) == f"{path}: {line}"
 
 
-def test_fp8_with_streaming_is_refused_rather_than_ignored(tmp_path):
+def test_fp8_streams_too_and_reaches_the_extract_stage_so(tmp_path):
+    """Streaming writes and reads fp8 shards (workers/extract/producer.py, train/feed.py): the
+    pair is accepted, and the extract stage's settings carry both choices."""
+    import json
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps(
+            {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 512}
+        )
+    )
+    (tmp_path / "chat.jsonl").write_text("")
     path = tmp_path / "run.toml"
-    path.write_text('name = "t"\npipeline = ["selftest"]\n[storage]\nmode = "streaming"\nhidden_dtype = "fp8"\n')
-    with pytest.raises(ConfigError) as err:
-        load(path)
-    assert (
-        f'{path}: storage.hidden_dtype: "fp8" is for offline runs (mode = "offline") yet; streaming stores the '
-        "target dtype: remove this key"
-    ) in str(err.value).splitlines()
+    path.write_text(
+        'name = "t"\npipeline = ["prepare", "extract", "vocab", "train"]\n'
+        f'[target]\npath = "{model}"\n[data]\npath = "{tmp_path / "chat.jsonl"}"\n[draft]\nvocab_size = 256\n'
+        '[storage]\nmode = "streaming"\nhidden_dtype = "fp8"\nbudget_gb = 1\n'
+    )
+    cfg = load(path)
+    assert (cfg.storage.mode, cfg.storage.hidden_dtype, cfg.extract.backend) == ("streaming", "fp8", "hf")
+    settings = Settings.from_config(
+        {**cfg.to_dict(), "resources": {"devices": "cpu"}}, {}, tmp_path / "out", tmp_path / "out" / "extract"
+    )
+    assert (settings.hidden_dtype, settings.streaming) == ("fp8", True)

@@ -69,10 +69,14 @@ def _producer(tmp_path: Path, budget: int, lengths, val=(0,), order=(1, 2, 3, 4,
     return st, producer.Producer(ctx, None, st, (0, 0), lengths, stream.token_bytes(1, 1, 4))
 
 
-def _shard(st: stream.Stream, epoch, row: int, size: int) -> None:
+def _shard(st: stream.Stream, epoch, row: int, size: int) -> Path:
+    """A shard of `size` bytes landing as the writer lands it: temp file, then renamed and counted."""
     d = st.dir_for(epoch)
     d.mkdir(parents=True, exist_ok=True)
-    (d / hswriter.file_name(row)).write_bytes(b"x" * size)
+    tmp = d / f".{hswriter.file_name(row)}.1.0.tmp"
+    tmp.write_bytes(b"x" * size)
+    stream.Ledger(st.extract_dir).replace(tmp, d / hswriter.file_name(row))
+    return d / hswriter.file_name(row)
 
 
 def test_a_batch_waits_until_it_and_every_earlier_missing_shard_fit(tmp_path):
@@ -112,8 +116,7 @@ def test_the_window_frees_as_train_moves_on_and_the_producer_then_goes(tmp_path)
     time.sleep(0.3)
     assert not done.is_set() and prod.waits == 1
     # Train finished step 0 (rows 1, 2), freed them, and needs step 1 now.
-    for row in (1, 2):
-        (st.dir_for(0) / hswriter.file_name(row)).unlink()
+    assert stream.Ledger(tmp_path).free([st.dir_for(0) / hswriter.file_name(row) for row in (1, 2)]) == 2
     stream.publish_need(tmp_path, 0, 1)
     assert done.wait(5)
     assert prod.wait_s > 0.2 and prod.in_flight == [(3, 4, one, 1)]
@@ -124,3 +127,49 @@ def test_the_mode_is_chosen_once_and_kept(tmp_path, keep):
     first = stream.write_plan(tmp_path, {"mode": "keep" if keep else "window", "budget": 1, "dataset_bytes": 2})
     again = stream.write_plan(tmp_path, {"mode": "window" if keep else "keep", "budget": 9, "dataset_bytes": 2})
     assert first == again and again["mode"] == ("keep" if keep else "window")
+
+
+def _on_disk(root: Path) -> tuple[int, int]:
+    """(bytes, files) of the finished shards under root, listed here independently of stream.py."""
+    sizes = [p.stat().st_size for p in root.rglob("hs_*.safetensors")]
+    return sum(sizes), len(sizes)
+
+
+def test_the_ledger_counts_exactly_what_the_writer_lands_and_train_frees_and_a_crash_is_rebuilt(tmp_path):
+    """The window's count (stream.Ledger) against a real listing after shards written by the real
+    writer (fp8 and plain), freed by train, and a killed process's half-done work; admission
+    reads the count and never lists the window."""
+    import torch
+
+    st, prod = _producer(tmp_path, budget=10**9, lengths=[100] * 7)
+    ledger = stream.Ledger(tmp_path)
+    assert ledger.read() == (0, 0) and ledger.rebuild(st) == 0
+    for epoch, rows, dtype in ((None, [0], "target"), (0, [1, 2, 3], "fp8"), (1, [4, 5], "target")):
+        w = hswriter.HiddenStatesWriter(st.dir_for(epoch), hidden_dtype=dtype, replace=ledger.replace)
+        hidden = torch.randn(len(rows), 9 + len(rows), 2, 64, dtype=torch.bfloat16)
+        items = [hswriter.Item(r, i, 9 + i, torch.arange(9 + i)) for i, r in enumerate(rows)]
+        w.put(hswriter.Job(hidden, items))
+        w.close()
+    assert ledger.read() == _on_disk(tmp_path) and ledger.read()[1] == 6
+    first = ledger.total()
+    # Train frees step 0's shards (one already gone: a second free counts nothing).
+    assert ledger.free([st.dir_for(0) / hswriter.file_name(r) for r in (1, 2)]) == 2
+    assert ledger.free([st.dir_for(0) / hswriter.file_name(1)]) == 0
+    assert ledger.read() == _on_disk(tmp_path) and ledger.total() < first
+    # Admission reads the count, under the lock, without listing a directory.
+    st.scan_bytes = lambda: pytest.fail("a batch's admission listed the window")
+    assert prod._fits(len(st.items()) - 1, len(st.items()), 1) and prod.metrics()["window_bytes"] == ledger.total()
+    del st.scan_bytes
+    # A killed process: a shard renamed but never counted, one unlinked but never uncounted, and
+    # a temp file mid-write. The count is off by both shards until extract's rank 0 rebuilds it.
+    stray = st.dir_for(1) / hswriter.file_name(6)
+    stray.write_bytes(b"y" * 5000)
+    (st.dir_for(1) / hswriter.file_name(4)).unlink()
+    (st.dir_for(1) / f".{hswriter.file_name(5)}.77.0.tmp").write_bytes(b"z" * 700)
+    assert ledger.read() != _on_disk(tmp_path)
+    assert ledger.rebuild(st) == _on_disk(tmp_path)[0] and ledger.read() == _on_disk(tmp_path)
+    # And exact again from there on: a shard written over an older copy replaces its bytes.
+    tmp = st.dir_for(1) / ".hs_6.safetensors.1.1.tmp"
+    tmp.write_bytes(b"w" * 1234)
+    ledger.replace(tmp, stray)
+    assert ledger.read() == _on_disk(tmp_path) and stray.stat().st_size == 1234
