@@ -287,4 +287,4 @@ def test_a_dataset_that_fits_the_budget_is_kept_and_read_again(daemon, assets):
     assert tr["streaming"] == "keep" and tr["shards_freed"] == 0
     per = ledger(out)
     assert sorted(per) == [0, 1] and all(c == Counter(train_rows(out)) for c in per.values())
-    assert "(the whole dataset fits: kept)" in daemon.cli("show", run_id).stdout
+    assert "kept: the whole dataset (" in daemon.cli("show", run_id).stdout  # its size, then "fits"

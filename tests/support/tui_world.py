@@ -533,3 +533,123 @@ def screen_text(app) -> str:
 async def shows(pilot, app, text: str, timeout: float = 20.0) -> str:
     """Wait until the terminal shows `text`; returns the whole screen's text."""
     return await until(pilot, lambda: text in (s := screen_text(app)) and s, timeout, f"the screen to show {text!r}")
+
+
+MiB = 2**20
+# A streaming run's window ([storage] mode = "streaming"): its budget, and what the live run
+# (add_streaming_run) shows of it: 6 MiB on disk now, 18 MiB at its peak.
+STREAM_BUDGET = 24 * MiB
+STREAM_DATASET = 20 * MiB  # the kept run's dataset, inside the budget (its extract summary says so)
+
+
+def progress_rows(run_id, stage, attempt, rank, records) -> list[dict]:
+    """The metric rows the daemon's sampler makes of a rank's progress records (daemon/sampler.py:
+    one row per numeric field, at the record's time, under the rank's number)."""
+    return [
+        {"time": t, "run_id": run_id, "stage": stage, "attempt": attempt, "rank": rank, "name": name, "value": value}
+        for t, fields in records
+        for name, value in fields.items()
+    ]
+
+
+def extract_record(t: float, window: float, waits: int, wait_s: float) -> tuple[float, dict]:
+    """A streaming extract rank's progress figures at `t`, the fields producer.metrics() writes."""
+    return t, {"window_bytes": window, "window_budget": STREAM_BUDGET, "extract_waits": waits, "extract_wait_s": wait_s}
+
+
+def train_record(t: float, waits: int, wait_s: float, freed: int) -> tuple[float, dict]:
+    """A streaming train rank's progress figures at `t`, the fields feed.metrics() writes."""
+    return t, {"train_waits": waits, "train_wait_s": wait_s, "shards_freed": freed}
+
+
+def add_streaming_run(home: Path, *, kept: bool = False) -> int:
+    """Add, beside build()'s runs, a streaming run of two ranks a stage: extract and train at
+    once, with the figures their ranks write into their progress files (extract: the window's
+    bytes and budget and its cumulative waits for room; train: its cumulative waits for shards
+    and the shards it freed), as the daemon stores them. Returns its id.
+
+    Live (the default): the first attempts of both halves ended (extract failed, train torn
+    down with it) and the second ones run, in window mode (train has freed shards, and no
+    summary is written yet). Waits, over both attempts and both ranks: extract 2 + 3 + 1 = 6
+    (1.25 + 1.5 + 0.55 = 3.3 s), train 1 + 3 + 2 = 6 (0.5 + 1.75 + 0.25 = 2.5 s); the window is
+    6 MiB now (rank 1's newest sample), 18 MiB at most (attempt 1), of 24 MiB.
+    `kept`: the run succeeded in keep mode: the 20 MiB dataset fit the budget, nothing was freed,
+    each train rank waited once (0.5 s), and the extract and train summaries say "keep"."""
+    db = store.open_writer(paths.db_path(home))
+    t = NOW - 1800
+    config = {"pipeline": PIPELINE, "storage": {"mode": "streaming", "budget_gb": STREAM_BUDGET / 1e9}}
+    run_id = store.create_run(
+        db,
+        name="stream-kept" if kept else "stream-live",
+        model="tiny-llama",
+        stages=[{"name": s, "world_size": 2} for s in PIPELINE],
+        config=config,
+        now=t,
+    )
+    store.move_run(db, run_id, "running", "starting preflight", now=t + 1)
+    t += 1
+    for s, d in (("preflight", 10), ("prepare", 60), ("vocab", 20)):
+        _stage_run(db, home, run_id, s, t, d, world=1)
+        t += d + 5
+    start = t
+    rows: list[dict] = []
+    if kept:
+        for stage in ("extract", "train"):
+            _stage_run(db, home, run_id, stage, start, 600, world=2)
+        for rank in range(2):
+            ex = [extract_record(start + 10, 4 * MiB, 0, 0.0), extract_record(start + 300, STREAM_DATASET, 0, 0.0)]
+            rows += progress_rows(run_id, "extract", 1, rank, ex)
+            rows += progress_rows(run_id, "train", 1, rank, [train_record(start + 300, 1, 0.5, 0)])
+        summaries = {
+            "extract": {"streaming": "keep", "dataset_bytes": STREAM_DATASET, "window_budget_bytes": STREAM_BUDGET},
+            "train": {"streaming": "keep", "train_waits": 2, "shards_freed": 0},
+        }
+        for stage, summary in summaries.items():
+            db["stages"].update(store.stage_row(db, run_id, stage)["id"], {"summary_json": json.dumps(summary)})
+        _stage_run(db, home, run_id, "evaluate", start + 610, 60, world=1)
+        store.move_run(db, run_id, "succeeded", "every stage succeeded or was skipped", now=start + 680)
+        store.insert_metrics(db, rows)
+        db.conn.close()
+        return run_id
+    # Attempt 1 of each half: extract rank 1 failed, train was torn down with it.
+    firsts = {}
+    for stage in ("extract", "train"):
+        store.move_stage(db, run_id, stage, "running", "started", now=start)
+        adir = paths.attempt_dir(run_id, stage, 1, home)
+        adir.mkdir(parents=True, exist_ok=True)
+        aid, _ = store.new_attempt(db, run_id, stage, dir=str(adir), world_size=2, now=start)
+        firsts[stage] = aid
+        for r in range(2):
+            store.upsert_rank(db, aid, r, pid=4_900_200 + r, state="killed", signal=15, started_at=start)
+    for rank, (waits, wait_s) in enumerate(((2, 1.25), (0, 0.0))):
+        ex = [extract_record(start + 20, 10 * MiB, 0, 0.0), extract_record(start + 90, 18 * MiB, waits, wait_s)]
+        rows += progress_rows(run_id, "extract", 1, rank, ex)
+    rows += progress_rows(run_id, "train", 1, 0, [train_record(start + 90, 1, 0.5, 0)])
+    store.move_attempt(db, firsts["extract"], "failed", "rank 1 failed: SIGKILL", now=start + 100)
+    store.move_attempt(
+        db, firsts["train"], "cancelled", "torn down with its streaming sibling: extract rank 1", now=start + 101
+    )
+    a2 = start + 110
+    for stage in ("extract", "train"):
+        adir = paths.attempt_dir(run_id, stage, 2, home)
+        adir.mkdir(parents=True, exist_ok=True)
+        aid, _ = store.new_attempt(db, run_id, stage, dir=str(adir), world_size=2, now=a2)
+        for r in range(2):
+            store.upsert_rank(
+                db,
+                aid,
+                r,
+                pid=4_900_300 + 10 * (stage == "train") + r,
+                state="running",
+                started_at=a2,
+                last_write=NOW - 1,
+            )
+    for rank, (waits, wait_s) in enumerate(((3, 1.5), (1, 0.55))):
+        ex = [extract_record(a2 + 30, 12 * MiB, 1, 0.2), extract_record(NOW - 5 + rank, 6 * MiB, waits, wait_s)]
+        rows += progress_rows(run_id, "extract", 2, rank, ex)
+    for rank, (waits, wait_s, freed) in enumerate(((3, 1.75, 40), (2, 0.25, 38))):
+        tr = [train_record(a2 + 60, 1, 0.1, 0), train_record(NOW - 3, waits, wait_s, freed)]
+        rows += progress_rows(run_id, "train", 2, rank, tr)
+    store.insert_metrics(db, rows)
+    db.conn.close()
+    return run_id

@@ -1,7 +1,9 @@
 """The Run screen: the stage pipeline, the selected stage's progress, and the controls.
 
 What the run is doing now is derived from its stage, attempt and rank rows, never from the
-newest event's text, and quiet or partly exited ranks are named (state/liveness.py)."""
+newest event's text, and quiet or partly exited ranks are named (state/liveness.py). A
+streaming run's two running stages are both named, and its window is drawn under the stages as
+`eyas show` writes it (queries.window_lines)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from textual.binding import Binding
 from textual.containers import Vertical
 from textual.widgets import DataTable, ProgressBar, Static
 
-from eyas.state import display, liveness
+from eyas.state import display, liveness, queries
 
 from .. import format as fmt
 from ..history import pick_stage
@@ -39,6 +41,7 @@ class RunScreen(EyasScreen):
     RunScreen #summary { height: auto; padding: 0 1; }
     RunScreen Pipeline { margin: 1 0 0 0; }
     RunScreen #stages { height: auto; max-height: 12; }
+    RunScreen #window { height: auto; padding: 0 1; display: none; }
     RunScreen #progress { height: auto; padding: 0 1; }
     RunScreen #bar Bar { width: 1fr; }
     RunScreen #bar { width: 1fr; }
@@ -73,6 +76,7 @@ class RunScreen(EyasScreen):
         yield Static("", id="summary")
         yield Pipeline(id="pipeline")
         yield DataTable(id="stages", cursor_type="row")
+        yield Static("", id="window")
         with Vertical(id="progress"):
             yield ProgressBar(total=1.0, show_eta=False, id="bar")
             yield Static("", id="figures")
@@ -144,9 +148,17 @@ class RunScreen(EyasScreen):
                     table.update_cell(s["name"], col, cell)
         if self.stage_name in keys and table.cursor_row != keys.index(self.stage_name):
             table.move_cursor(row=keys.index(self.stage_name))
+        self._show_window()
         self._show_progress()
         self._show_cause()
         self._show_curves()
+
+    def _show_window(self) -> None:
+        """A streaming run's window; hidden for any other run, whose layout stays as it was."""
+        lines = queries.window_lines(self.run.get("window") if self.run else None)
+        window = self.query_one("#window", Static)
+        window.display = bool(lines)
+        window.update(Text("\n".join(lines), style="dim") if lines else "")
 
     def on_resize(self) -> None:
         if self.run is not None:
@@ -184,21 +196,28 @@ class RunScreen(EyasScreen):
             return "", ""
         if run["state"] != "running":
             return run["reason"] or "", "dim"
-        stage = next((s for s in run["stages"] if s["state"] == "running"), None)
-        if stage is None:
+        running = [s for s in run["stages"] if s["state"] == "running"]
+        if not running:
             # Between two stages, or held back: the scheduler's "waiting for devices" is
             # current (it is written each time it holds the run back); nothing else is.
             nxt = next((s for s in run["stages"] if s["state"] == "pending"), None)
             why = run["reason"] if (run["reason"] or "").startswith("waiting") else ""
             return (f"{nxt['name']} pending" if nxt else "") + (f": {why}" if why and nxt else why), "dim"
+        # A streaming run's extract and train run at once: each is named, in pipeline order.
+        found = [self._stage_status(s) for s in running]
+        style = "bold yellow" if any(warn for _, warn in found) else "dim"
+        return "  ·  ".join(text for text, _ in found), style
+
+    def _stage_status(self, stage: dict) -> tuple[str, bool]:
+        """What one running stage is doing, and whether its ranks call for attention."""
         a = stage["attempt_list"][-1] if stage["attempt_list"] else None
         if a is None:
-            return f"{stage['name']} starting", "dim"
+            return f"{stage['name']} starting", False
         if a["state"] != "running":
-            return f"{stage['name']} running: attempt {a['number']} {a['state']}, the next one is due", "dim"
+            return f"{stage['name']} running: attempt {a['number']} {a['state']}, the next one is due", False
         text = f"{stage['name']} running · attempt {a['number']} · {display.duration(a['duration'])}"
         note = self._note(stage)
-        return (f"{text} · {note}", "bold yellow") if note else (text, "dim")
+        return (f"{text} · {note}", True) if note else (text, False)
 
     def _cells(self, s: dict) -> list:
         live = self.app.live.stage.get((self.run_id, s["name"]), {}) if s["state"] == "running" else {}
