@@ -493,7 +493,14 @@ def validate(data: dict[str, Any], base_dir: str | os.PathLike, source: str) -> 
     if storage.mode == "streaming" and not {"extract", "train"} <= set(pipeline):
         report.error("storage.mode", '"streaming" runs extract and train together; put both in the pipeline')
     if storage.mode == "streaming" and extract.backend == "vllm":
-        report.error("storage.mode", '"streaming" needs extract.backend = "hf" (the vllm backend cannot stream yet)')
+        extract_stage = stages.get("extract")
+        ranks = extract_stage.ranks if extract_stage is not None and extract_stage.ranks else resources.ranks
+        if ranks != 1:
+            report.error(
+                "storage.mode",
+                f'"streaming" with extract.backend = "vllm" runs one driver rank, and extract would start {ranks}: '
+                "set [stages.extract] ranks = 1 (its engine takes extract.tensor_parallel_size GPUs)",
+            )
 
     # Checks across tables, only between values that passed their own checks (a rejected value
     # has been reported; its default must not raise a second, misleading error).

@@ -288,3 +288,30 @@ def test_a_dataset_that_fits_the_budget_is_kept_and_read_again(daemon, assets):
     per = ledger(out)
     assert sorted(per) == [0, 1] and all(c == Counter(train_rows(out)) for c in per.values())
     assert "kept: the whole dataset (" in daemon.cli("show", run_id).stdout  # its size, then "fits"
+
+
+@pytest.mark.timeout(900)
+def test_the_vllm_backend_streams_inside_the_window_and_trains_every_sample_once(daemon, assets):
+    # The demo pipeline with its extraction on vLLM's CPU build: one driver rank, its engine's
+    # TP rank 0 worker writing each shard into the window, counted as it lands.
+    toml = demo_toml(assets, "vllm-stream", storage={"mode": "streaming", "budget_gb": 0.006}, evaluate=False, epochs=2)
+    toml = toml.replace('backend = "hf"', 'backend = "vllm"')
+    toml = toml.replace("[stages.extract]\n", "[stages.extract]\nranks = 1\n")
+    assert 'backend = "vllm"' in toml and "ranks = 1" in toml
+    run_id = daemon.submit(toml, "vllm-stream.toml")
+    out = output_dir(daemon, run_id)
+    sampler = DiskSampler(out / "extract")
+    run = daemon.wait_run(run_id, timeout=800)
+    peak = sampler.stop()
+    ok(daemon, run_id, run)
+    st = {s["name"]: s for s in run["stages"]}
+    ex, tr = st["extract"]["summary"], st["train"]["summary"]
+    assert ex["streaming"] == "window" and ex["tensor_parallel_size"] == 1
+    assert ex["dataset_bytes"] > ex["window_budget_bytes"] == 6_000_000
+    assert 0 < peak <= ex["window_budget_bytes"], (peak, ex)
+    assert tr["shards_freed"] > 0 and ex["extract_waits"] > 0  # the window did bind
+    per = ledger(out)
+    assert sorted(per) == [0, 1] and all(c == Counter(train_rows(out)) for c in per.values())
+    # The engine's log says it ran: the vllm backend, not the hf one.
+    log = Path(st["extract"]["attempt_list"][-1]["dir"], "rank-0.log").read_text()
+    assert "engine up in" in log and "streaming done:" in log

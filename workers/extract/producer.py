@@ -116,6 +116,10 @@ class Producer:
     def _done_files(self) -> int:
         return self.written + (self.writer.written if self.writer is not None else 0)
 
+    def _done_when(self, files: int) -> int:
+        """The count _done_files() reaches once a batch of `files` files admitted now has landed."""
+        return self._done_files() + files
+
     def _publish(self) -> None:
         done = self._done_files()
         self.in_flight = [b for b in self.in_flight if b[3] > done]
@@ -170,7 +174,7 @@ class Producer:
                     )
                     fits = True
                 if fits:
-                    self.in_flight.append((pos, end, est, self._done_files() + files))
+                    self.in_flight.append((pos, end, est, self._done_when(files)))
                     self._publish()
                     break
             if t0 is None:

@@ -61,7 +61,7 @@ from eyas.workers.extract.plan import Settings, Stats, check_row, load_dataset, 
 from eyas.workers.models import hf_target
 from eyas.workers.models.adapters import Decoder
 from eyas.workers.runtime import atomic
-from eyas.workers.vllm import tpfailure
+from eyas.workers.vllm import streaming, tpfailure
 from eyas.workers.vllm import version as vllm_version
 from eyas.workers.vllm.settings import is_mla, with_native_rotary
 
@@ -214,6 +214,7 @@ class Engine:
         max_pending: int = 2,
         model_cfg: dict | None = None,
         hidden_dtype: str = "target",
+        window=None,
     ) -> Engine:
         engine = cls.launch(
             target_path=target_path,
@@ -225,7 +226,7 @@ class Engine:
             extension=extension,
             model_cfg=model_cfg,
         )
-        engine.attach(architecture, layer_ids, dtype, hs_dir, max_pending, hidden_dtype)
+        engine.attach(architecture, layer_ids, dtype, hs_dir, max_pending, hidden_dtype, window)
         return engine
 
     @classmethod
@@ -248,6 +249,10 @@ class Engine:
         if cpu:
             for key, value in cpu_env(tp).items():
                 os.environ.setdefault(key, value)
+            # Else vLLM's CPU build reserves gpu_memory_utilization (0.92) of the machine's RAM
+            # for KV cache and refuses to start whenever anything else holds memory; prefill-only
+            # extraction needs little of it (the evaluate stage sets the same).
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm import LLM
 
         for warning in config_warnings(model_cfg or {}):
@@ -259,11 +264,20 @@ class Engine:
         return cls(llm, tp, [], version)
 
     def attach(
-        self, architecture: str, layer_ids, dtype: str, hs_dir, max_pending: int = 2, hidden_dtype: str = "target"
+        self,
+        architecture: str,
+        layer_ids,
+        dtype: str,
+        hs_dir,
+        max_pending: int = 2,
+        hidden_dtype: str = "target",
+        window=None,
     ) -> None:
         """Set the capture up in every worker (TP rank 0 will write into `hs_dir`, storing the
-        states as [storage] hidden_dtype says)."""
+        states as [storage] hidden_dtype says; with `window`, a streaming run's extract folder,
+        each file counted in its ledger as it lands)."""
         spec = {
+            "window": str(window) if window is not None else None,
             "architecture": architecture,
             "layer_ids": list(layer_ids),
             "dtype": dtype,
@@ -286,6 +300,15 @@ class Engine:
             first["runner"],
             first["embed_api"],
         )
+
+    def directory(self, path) -> int:
+        """Streaming: the next batches' files go into `path`; returns the files written so far
+        (every file of the folders before it has landed)."""
+        return int(reply_of(self.llm.collective_rpc("eyas_directory", args=(str(path),)), self.tp, 0).get("written", 0))
+
+    def written(self) -> int:
+        """Files TP rank 0's writer has landed so far (streaming's in-flight accounting)."""
+        return int(reply_of(self.llm.collective_rpc("eyas_written"), self.tp, 0).get("written", 0))
 
     def run(self, batch: list[tuple[int, list[int], bool]]) -> dict:
         """Prefill every (row, token ids, write?) of `batch`; returns TP rank 0's report."""
@@ -315,6 +338,9 @@ class Engine:
         return reply_of(self.llm.collective_rpc("eyas_finish"), self.tp, 0)
 
     def shutdown(self) -> None:
+        if getattr(self, "_down", False):  # once: streaming shuts it down before waiting on train
+            return
+        self._down = True
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
@@ -339,6 +365,9 @@ def main(ctx, settings: Settings) -> None:
     plan = share(plan_batches(lengths, 1, 0, settings.batch_size), lengths, ctx.rank, ctx.world_size)
     hs_dir = settings.out_dir / HIDDEN_STATES_DIR
     claim_output(settings.out_dir, identity(settings, arch, layer_ids, dataset))
+    if settings.streaming:  # [storage] mode = "streaming": vllm/streaming.py
+        per_token = streaming.per_token_bytes(settings, model_cfg, len(layer_ids))
+        stream_at = streaming.prepare(ctx, settings, lengths, per_token)
     try:
         with ctx.progress.beating("vllm engine start"):  # weight load, profiling, compilation: silent minutes
             engine = Engine.start(
@@ -354,6 +383,7 @@ def main(ctx, settings: Settings) -> None:
                 extension=settings.worker_extension or EXTENSION,
                 model_cfg=model_cfg,
                 hidden_dtype=settings.hidden_dtype,
+                window=settings.out_dir if settings.streaming else None,
             )
         try:
             first = reply_of(engine.setup, engine.tp, 0)
@@ -361,6 +391,12 @@ def main(ctx, settings: Settings) -> None:
                 raise RuntimeError(
                     f"vLLM's {first['decoder_class']} has {first['num_layers']} layers; config.json says {n}"
                 )
+            if settings.streaming:
+                info = TargetInfo(
+                    arch, model_cfg.get("model_type"), adapter.family, first["decoder_path"], n, first["hidden_size"]
+                )
+                streaming.run(ctx, settings, engine, info, layer_ids, dataset, lengths, *stream_at, per_token)
+                return
             stats, steps = run(engine, dataset, lengths, plan, hs_dir, progress=ctx.progress)
         finally:
             engine.shutdown()

@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from eyas.workers.extract import hswriter
+from eyas.workers.extract import hswriter, stream
 from eyas.workers.models.adapters import TAPS, Decoder
 from eyas.workers.vllm import layout as vllm_layout
 
@@ -73,6 +74,7 @@ class Capture:
         device: Any = None,
         max_pending: int = 2,
         hidden_dtype: str = "target",
+        window: Path | None = None,
     ):
         import torch
 
@@ -85,7 +87,12 @@ class Capture:
         self._check_pipeline(decoder)
         self.runner = runner
         self.v2 = vllm_layout.V2Observer(runner) if vllm_layout.is_v2(runner) else None
-        self.writer = hswriter.HiddenStatesWriter(Path(hs_dir), max_pending=max_pending, hidden_dtype=hidden_dtype)
+        self.max_pending, self.hidden_dtype = max_pending, hidden_dtype
+        # Streaming ([storage] mode = "streaming"): each shard lands counted in the window's
+        # ledger, under its lock, as the hf backend's do (extract/stream.py: Ledger).
+        self.replace = stream.Ledger(Path(window)).replace if window is not None else os.replace
+        self.closed_written = self.closed_bytes = 0  # of the writers of earlier directories
+        self.writer = self._writer(Path(hs_dir))
         self.requests: dict[str, Request] = {}  # external request id -> request
         self._internal: dict[str, Request] = {}  # vLLM's internal id -> request
         self.active = False  # inside a real scheduler step
@@ -148,6 +155,21 @@ class Capture:
                 self._internal[req_id] = req
         return req
 
+    def _writer(self, directory: Path) -> hswriter.HiddenStatesWriter:
+        return hswriter.HiddenStatesWriter(
+            directory, max_pending=self.max_pending, hidden_dtype=self.hidden_dtype, replace=self.replace
+        )
+
+    def directory(self, directory: Path) -> dict:
+        """Write the next requests' files into `directory` (a streaming epoch's own folder): the
+        current writer is closed first, so every file of the last folder has landed."""
+        if self.writer.directory != Path(directory):
+            self.writer.close()
+            self.closed_written += self.writer.written
+            self.closed_bytes += self.writer.bytes
+            self.writer = self._writer(Path(directory))
+        return {"written": self.closed_written + self.writer.written}
+
     def collect(self) -> dict:
         """After the requests finished: every position of every one must have been seen."""
         missing = {rid: int((~r.covered).sum()) for rid, r in self.requests.items() if not r.covered.all()}
@@ -177,8 +199,8 @@ class Capture:
         self._detach()
         self.writer.close()
         return {
-            "written": self.writer.written,
-            "bytes": self.writer.bytes,
+            "written": self.closed_written + self.writer.written,
+            "bytes": self.closed_bytes + self.writer.bytes,
             "steps": self.steps,
             "tokens": self.tokens,
             "max_requests_per_step": self.max_requests,

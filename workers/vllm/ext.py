@@ -294,6 +294,7 @@ class EyasWorkerExtension:
                 device=getattr(self, "device", None),
                 max_pending=int(spec.get("max_pending", 2)),
                 hidden_dtype=spec.get("hidden_dtype", "target"),
+                window=Path(spec["window"]) if spec.get("window") else None,
             )
         layer = decoder.layers[0]
         return {
@@ -318,6 +319,20 @@ class EyasWorkerExtension:
         if capture is not None:
             capture.expect(requests)
         return {"tp_rank": int(self.rank), "expected": len(requests) if capture is not None else 0}
+
+    @_recorded
+    def eyas_directory(self, path: str) -> dict:
+        """Streaming: the next requests' files go into `path` (workers/vllm/streaming.py)."""
+        capture = getattr(self, "_eyas_capture", None)
+        out = capture.directory(Path(path)) if capture is not None else {}
+        return {"tp_rank": int(self.rank), **out}
+
+    @_recorded
+    def eyas_written(self) -> dict:
+        """Files the writer has landed so far, in the order their requests were sent."""
+        capture = getattr(self, "_eyas_capture", None)
+        written = capture.closed_written + capture.writer.written if capture is not None else 0
+        return {"tp_rank": int(self.rank), "written": written}
 
     @_recorded
     def eyas_collect(self) -> dict:

@@ -63,7 +63,13 @@ def root_cause(daemon: Daemon, run_id: int) -> dict:
 
 
 def job_of(daemon: Daemon, run_id: int, timeout: float = 30) -> int:
-    return wait_for(lambda: attempt_row(daemon, run_id)["slurm_job"], timeout, what=f"run {run_id}'s Slurm job")
+    def job():
+        try:
+            return attempt_row(daemon, run_id)["slurm_job"]
+        except IndexError:  # the attempt is not recorded yet
+            return None
+
+    return wait_for(job, timeout, what=f"run {run_id}'s Slurm job")
 
 
 def running_ranks(daemon: Daemon, run_id: int, n: int = 2, timeout: float = 60) -> list[dict]:
@@ -236,9 +242,9 @@ def test_a_job_waiting_in_the_queue_is_not_a_stall(slurm, daemon):
     blocker = slurm.sbatch(f"--ntasks={os.cpu_count()}", "--wrap", "sleep 300")
     slurm.wait_state(blocker, {"RUNNING"})
     try:
-        run_id = daemon.submit(slurm_toml("queued", {"steps": 4, "step_time": 0.05}, stall_timeout=5))
+        run_id = daemon.submit(slurm_toml("queued", {"steps": 4, "step_time": 0.05}, stall_timeout=15))
         job = job_of(daemon, run_id)
-        time.sleep(8)
+        time.sleep(17)
         assert slurm.job(job)["JobState"] == "PENDING"
         assert daemon.run(run_id)["state"] == "running"
     finally:

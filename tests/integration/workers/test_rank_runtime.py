@@ -48,7 +48,8 @@ def exit_fields(record: dict) -> dict:
 def test_success_records_pids_progress_exit_and_result(start_rank):
     r = start_rank({"steps": 10, "step_time": 0.1})
     proc = r.proc_json()
-    assert set(proc) == {"monitor_pid", "monitor_create_time", "pid", "create_time"}
+    assert set(proc) == {"monitor_pid", "monitor_create_time", "pid", "create_time", "host", "slurm_job"}
+    assert (proc["host"], proc["slurm_job"]) == (socket.gethostname(), None)  # a local rank, no job
     assert proc["monitor_pid"] == r.proc.pid
     # Checked while both run: this is how the daemon will recognise its ranks after a restart.
     assert psutil.Process(proc["pid"]).create_time() == proc["create_time"]

@@ -743,3 +743,14 @@ def test_eyas_validate_refuses_a_misspelt_stage_option(big_run_dir):
         "run.toml: stages.train.options.scheduler: unknown value 'cosin'; did you mean 'cosine'? "
         "(one of: linear, cosine, constant)",
     ]
+
+
+def test_streaming_on_the_vllm_backend_takes_one_driver_rank(big_run_dir):
+    text = BASE + '[extract]\nbackend = "vllm"\n[storage]\nmode = "streaming"\n[resources]\nranks = 2\n'
+    (line,) = [e for e in errors(text) if "storage.mode" in e]
+    assert line.endswith(
+        'storage.mode: "streaming" with extract.backend = "vllm" runs one driver rank, and extract would start 2: '
+        "set [stages.extract] ranks = 1 (its engine takes extract.tensor_parallel_size GPUs)"
+    )
+    cfg = loads(text + "[stages.extract]\nranks = 1\n")
+    assert (cfg.storage.mode, cfg.extract.backend, cfg.stages["extract"].ranks) == ("streaming", "vllm", 1)
