@@ -203,6 +203,11 @@ class Api:
         try:
             await asyncio.wait_for(self._decide.acquire(), OP_TIMEOUT)
         except TimeoutError:
+            if self.submitting is not None and self.store.busy is None:
+                raise StoreBusy(
+                    f"{what} was not done: the daemon is waiting on Slurm's controller for the "
+                    f"{self.submitting} (try again once it answers: sinfo shows whether it is up)"
+                ) from None
             raise StoreBusy(self.store.busy_text(what)) from None
         try:
             yield
@@ -290,7 +295,7 @@ class Api:
         ranks = (
             await group.collect_stacks(members, native_timeout=native_stacks.INTERACTIVE_TIMEOUT)
             if native
-            else group.request_stacks(members)
+            else await group.request_stacks(members)
         )
         log.info(
             "run %s: %s attempt %d: stacks requested from %d ranks",

@@ -66,6 +66,7 @@ class Core(Api, Scheduler, Agent, Recovery, Metrics, Recording):
         self._local = threading.local()
         self._planning = False  # a scheduling pass is recording or spawning
         self._decide = asyncio.Lock()  # held while the scheduler plans and spawns, and by a stop
+        self.submitting: str | None = None  # the Slurm submission the scheduler waits on, if any
         self._metrics_lock = threading.Lock()
         self._metrics_buf: dict | None = None  # samples waiting for the store thread
         self.waiting: dict[int, str] = {}  # run id -> why it waits

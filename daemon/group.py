@@ -316,7 +316,7 @@ class Group(TPWorkers):
 
     # -- stacks and ends ----------------------------------------------------------------
 
-    def request_stacks(self, members: list[Rank]) -> list[dict]:
+    async def request_stacks(self, members: list[Rank]) -> list[dict]:
         """Ask the live members for their Python stacks (daemon/stacks.py); one record each."""
         return stacks.request(members)
 

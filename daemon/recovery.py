@@ -7,6 +7,7 @@ files on the first supervision pass.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -66,7 +67,7 @@ class Recovery:
                 started_at=a["started_at"] or time.time(),
             )
             if on_slurm:
-                adopt_job(group, a)
+                await asyncio.to_thread(adopt_job, group, a)  # may ask squeue: off the event loop
             unstarted, found_later = [], []
             for r in range(a["world_size"]):
                 row = rows.get(r) or {}

@@ -11,6 +11,7 @@ both recorded in the one transaction (state/specs.py: STREAM_PAIR; workers/extra
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
@@ -105,7 +106,7 @@ class Scheduler:
                 held = self._held_devices()
                 starts = await self.write(lambda db: self._plan(db, live, held, time.time()), "scheduling")
                 for start in starts:
-                    self._spawn_attempt(start)
+                    await self._spawn_attempt(start)
         except Exception as exc:  # noqa: BLE001 - the next pass tries again
             if diskfull.is_full(exc):
                 self.disk.mark("scheduling", exc)
@@ -223,8 +224,11 @@ class Scheduler:
             db["runs"].update(run["id"], {"reason": why})
             self._emit_state(run["id"], "run", run["state"], why)
 
-    def _spawn_attempt(self, st: _Start) -> None:
-        """Start the ranks of an attempt whose start is recorded, and record them."""
+    async def _spawn_attempt(self, st: _Start) -> None:
+        """Start the ranks of an attempt whose start is recorded, and record them. A Slurm
+        attempt's sbatch runs in a thread: slurmctld may take up to slurmjob.TIMEOUT_S to answer,
+        and meanwhile the daemon serves its clients (a stop waits for the submission: the
+        scheduler's lock stays held, so the job it makes is found and ended)."""
         run_id, stage, attempt_id, number = st.run_id, st.stage, st.attempt_id, st.number
         common = dict(
             run_id=run_id,
@@ -240,7 +244,13 @@ class Scheduler:
         )
         try:
             if (st.cfg.get("resources") or {}).get("executor") == "slurm":
-                group = SlurmGroup.submit(**common, python=sys.executable, slurm_cfg=st.cfg.get("slurm") or {})
+                self.submitting = f"sbatch of run {run_id} {stage} attempt {number}"
+                try:
+                    group = await asyncio.to_thread(
+                        SlurmGroup.submit, **common, python=sys.executable, slurm_cfg=st.cfg.get("slurm") or {}
+                    )
+                finally:
+                    self.submitting = None
             else:
                 group = Group.spawn(**common, devices=st.devices)
         except OSError as exc:
@@ -271,6 +281,12 @@ class Scheduler:
                 f"recording the Slurm job of run {run_id} {stage} attempt {number}",
             )
         self.record_started(group, group.ranks, f"recording the ranks of run {run_id} {stage} attempt {number}")
+        if self.stopping:
+            # The daemon began to stop while sbatch ran: the job ends with the others. (A job
+            # whose sbatch answers after the daemon is gone is re-adopted by the next one.)
+            group.cancel_reason = "the daemon was stopped"
+            self._record_stop(group, group.cancel_reason)
+            self._spawn_task(group.teardown(self.grace, group.cancel_reason))
         self._emit_state(run_id, "attempt", "running", f"attempt {number} started", stage=stage, attempt=number)
         log.info(
             "run %s: %s attempt %s started with %s ranks (devices %s)",

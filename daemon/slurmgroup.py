@@ -17,11 +17,17 @@ How an end is read:
   known;
 - a job cancelled from outside eyas (scancel by a user or an admin) is a stop, as `eyas stop`;
 - ranks that left no exit record once the job is over are lost, as locally.
+
+Every Slurm client call (sbatch, scontrol, scancel) is an RPC to slurmctld that can hang for
+slurmjob.TIMEOUT_S: none runs on the daemon's event loop, which goes on serving clients and
+other runs while a controller is slow or down. A job's state is read from the last answer
+(read_job) while the next query runs in a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
@@ -46,6 +52,13 @@ RECORD_LAG_S = 5.0
 # the end time is Slurm's, to the second, the exception's the node's clock.
 END_SLACK_S = 1.0
 KILL_WAIT_MAX_S = 120.0  # after scancel: Slurm's KillWait and epilog, at most this long
+# Ranks' records wait this long for an answer from Slurm asked after they came (is the job still
+# running?); past it, a controller that does not answer leaves the ranks' own records to decide.
+STALE_MAX_S = slurmjob.TIMEOUT_S + 2 * POLL_S
+
+# The pollers' threads: each live job has at most one query in flight, so a few threads serve
+# every job, and a hung controller ties up threads, never the event loop.
+_CLIENTS = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="eyas-slurm")
 
 
 def recorded_job(attempt_dir: Path) -> int | None:
@@ -62,7 +75,10 @@ class SlurmGroup(Group):
     job_id: int | None = None
     job_name: str = ""
     job: slurmjob.JobState | None = None  # the last reading
-    queried_at: float = 0.0
+    job_asked_at: float = 0.0  # when the query that gave `job` started
+    queried_at: float = 0.0  # when the last query started
+    asking: tuple[float, concurrent.futures.Future] | None = None  # the query in flight, and its start
+    records_seen: dict[int, float] = field(default_factory=dict)  # rank -> when its exit record was first read
     slurm_end: slurmjob.JobState | None = None  # Slurm ended the job, not eyas and not its ranks
     ended_seen_at: float | None = None  # when the job was first seen over
     consequences: set[int] = field(default_factory=set)  # ranks whose end Slurm's ending caused
@@ -148,17 +164,44 @@ class SlurmGroup(Group):
     def _poll_tp(self, final: bool = False) -> list[RankExit]:
         return []
 
-    def read_job(self, now: float, force: bool = False) -> slurmjob.JobState | None:
-        """The job's state, asked of Slurm at most every POLL_S unless `force`; the last one
-        read when Slurm does not answer (logged: the next pass asks again)."""
+    def read_job(self, now: float, fresh_since: float | None = None) -> slurmjob.JobState | None:
+        """The last answer about the job's state, never waiting on Slurm: a query starts in a
+        thread at most every POLL_S, or at once when the answer was asked before `fresh_since`,
+        and its answer is taken on a later call. A query Slurm does not answer is logged, and
+        the next call asks again."""
         if self.job_id is None:
             return None
-        if force or self.job is None or now - self.queried_at >= POLL_S:
+        self._take_answer()
+        stale = fresh_since is not None and self.job_asked_at < fresh_since
+        if self.asking is None and (stale or self.job is None or now - self.queried_at >= POLL_S):
             self.queried_at = now
-            try:
-                self.job = slurmjob.query(self.job_id)
-            except slurmjob.SlurmError as exc:
-                log.warning("run %s: %s attempt %d: %s", self.run_id, self.stage, self.attempt, exc)
+            self.asking = (now, _CLIENTS.submit(slurmjob.query, self.job_id))
+        return self.job
+
+    def _take_answer(self) -> None:
+        if self.asking is None or not self.asking[1].done():
+            return
+        (asked, future), self.asking = self.asking, None
+        try:
+            self._keep(future.result(), asked)
+        except OSError as exc:  # SlurmError, or the client could not even be run
+            log.warning("run %s: %s attempt %d: %s", self.run_id, self.stage, self.attempt, exc)
+
+    def _keep(self, job: slurmjob.JobState, asked: float) -> None:
+        # An answer is kept only if no later-asked one is: queries overlap during a teardown.
+        if asked >= self.job_asked_at:
+            self.job, self.job_asked_at = job, asked
+
+    async def ask_job(self) -> slurmjob.JobState | None:
+        """The job's state now, waited for in a thread (a teardown's); the last answer when Slurm
+        does not give one."""
+        if self.job_id is None:
+            return None
+        asked = time.time()
+        try:
+            self._keep(await asyncio.to_thread(slurmjob.query, self.job_id), asked)
+        except OSError as exc:
+            log.warning("run %s: %s attempt %d: %s", self.run_id, self.stage, self.attempt, exc)
         return self.job
 
     def poll(self) -> tuple[list[Rank], list[RankExit]]:
@@ -166,9 +209,11 @@ class SlurmGroup(Group):
         learnt = [r for r in self.ranks if r.exit is None and self._learn_worker(r)]
         waiting = [r for r in self.ranks if r.exit is None]
         ready = [r for r in waiting if self._exit_record(r) is not None]
-        # Asked after the records were read: Slurm moves a job to COMPLETING before it signals
-        # the tasks, so a job still running then had not ended the ranks whose records came.
-        job = self.read_job(now, force=bool(ready))
+        # The ranks' ends are read against an answer asked after their records were read: Slurm
+        # moves a job to COMPLETING before it signals the tasks, so a job still running then had
+        # not ended the ranks whose records came.
+        seen = max((self.records_seen.setdefault(r.rank, now) for r in ready), default=None)
+        job = self.read_job(now, fresh_since=seen)
         if job is None:
             if self.job_id is None:  # never submitted (or its id lost with the last daemon)
                 return learnt, [self._end(r, lost=True) for r in waiting]
@@ -178,6 +223,8 @@ class SlurmGroup(Group):
         if job.state == "PENDING":
             # Waiting in Slurm's queue is not a hang: the stall clock starts once the job runs.
             self.active_at = now
+        if seen is not None and self.job_asked_at < seen and now - seen < STALE_MAX_S:
+            return learnt, []  # the answer that can tell is asked for: a later pass reads it
         if job.live or (job.completing and self.teardown_since is not None):
             return learnt, [self._end(r) for r in ready]
         if job.completing:
@@ -248,10 +295,10 @@ class SlurmGroup(Group):
 
     # -- stacks ------------------------------------------------------------------------
 
-    def request_stacks(self, members: list[Rank]) -> list[dict]:
-        """Ask every live rank for its Python stacks with one `scancel --signal=USR1`: Slurm
-        delivers it on each node (the launcher made the signal harmless until a rank registers
-        its dump). py-spy's native stacks need the rank's node: not taken here."""
+    async def request_stacks(self, members: list[Rank]) -> list[dict]:
+        """Ask every live rank for its Python stacks with one `scancel --signal=USR1` (in a
+        thread): Slurm delivers it on each node (the launcher made the signal harmless until a
+        rank registers its dump). py-spy's native stacks need the rank's node: not taken here."""
         out = []
         for r in members:
             entry = {"rank": r.rank, "role": r.role, "tp_rank": r.tp_rank, "pid": r.pid, "log_path": str(r.log_path)}
@@ -265,7 +312,7 @@ class SlurmGroup(Group):
             out.append(entry)
         if any("offset" in e for e in out):
             try:
-                slurmjob.signal(self.job_id, "USR1")
+                await asyncio.to_thread(slurmjob.signal, self.job_id, "USR1")
             except slurmjob.SlurmError as exc:
                 for e in out:
                     if e.pop("offset", None) is not None:
@@ -273,7 +320,8 @@ class SlurmGroup(Group):
         return out
 
     async def collect_stacks(self, members: list[Rank], **kwargs) -> list[dict]:
-        return await stacks.collect(members, requester=self.request_stacks, native_stacks=False, **kwargs)
+        asked = await self.request_stacks(members)
+        return await stacks.collect(members, requester=lambda _: asked, native_stacks=False, **kwargs)
 
     # -- tear down ---------------------------------------------------------------------
 
@@ -285,7 +333,7 @@ class SlurmGroup(Group):
         ends what is left (SIGKILL after Slurm's KillWait); returns once Slurm says it is over."""
         if self.job_id is None:
             return
-        job = await asyncio.to_thread(self.read_job, time.time(), True)
+        job = await self.ask_job()
         if job is not None and job.state == "RUNNING":
             try:
                 await asyncio.to_thread(slurmjob.signal, self.job_id, "TERM")
@@ -306,7 +354,7 @@ class SlurmGroup(Group):
         job = self.job
         while time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-            job = await asyncio.to_thread(self.read_job, time.time(), True)
+            job = await self.ask_job()
             if job is None or job.ended:
                 break
         return job

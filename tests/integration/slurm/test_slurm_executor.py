@@ -5,6 +5,7 @@ controls are the ones a local run has, with Slurm's job id, node and reasons add
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -197,6 +198,43 @@ def test_the_daemon_killed_mid_job_readopts_it_and_the_stage_completes(slurm, da
     a = attempt_row(daemon, run_id)
     assert (a["number"], a["slurm_job"], a["state"]) == (1, job, "succeeded")
     assert "re-adopting Slurm job" in (daemon.home / "daemon.log").read_text()
+
+
+def slowest_answer(daemon: Daemon, seconds: float) -> float:
+    """The longest the daemon took to answer `status` over `seconds` of asking every 0.1 s."""
+    worst, end = 0.0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        t0 = time.monotonic()
+        assert daemon.request("status")["pid"] == daemon.proc.pid
+        worst = max(worst, time.monotonic() - t0)
+        time.sleep(0.1)
+    return worst
+
+
+def test_the_daemon_answers_while_slurmctld_does_not(slurm, daemon):
+    # slurmctld frozen (SIGSTOP) for 4 s, under its 10 s message timeout: first while eyas
+    # submits the job (sbatch waits), then while the job runs (its state queries wait). The
+    # daemon answers its clients at once throughout, and the run completes once Slurm is back.
+    ctld = slurm.procs["slurmctld"].pid
+    os.kill(ctld, signal.SIGSTOP)
+    try:
+        run_id = daemon.submit(slurm_toml("frozen", {"steps": 50, "step_time": 0.2}))
+        during_sbatch = slowest_answer(daemon, 4.0)
+        assert during_sbatch < 1.0, f"the daemon took {during_sbatch:.1f} s to answer while sbatch waited"
+        assert attempt_row(daemon, run_id)["slurm_job"] is None  # sbatch had no answer yet
+    finally:
+        os.kill(ctld, signal.SIGCONT)
+    job = job_of(daemon, run_id)
+    running_ranks(daemon, run_id)
+    os.kill(ctld, signal.SIGSTOP)
+    try:
+        during_queries = slowest_answer(daemon, 4.0)
+    finally:
+        os.kill(ctld, signal.SIGCONT)
+    assert during_queries < 1.0, f"the daemon took {during_queries:.1f} s to answer while scontrol waited"
+    run = daemon.wait_run(run_id, timeout=90)
+    assert run["state"] == "succeeded", daemon.diagnose(run_id)
+    assert attempt_row(daemon, run_id)["slurm_job"] == job
 
 
 @pytest.mark.slow
