@@ -14,8 +14,11 @@ Printed: each figure, streaming ÷ max(extract, train) (target ≤ 1.15 at one e
 overlap hides the shorter stage), and peak disk ÷ offline disk. On a CPU-only host both halves
 share the same cores (each rank's thread count is its share of them, workers/runtime/cpu_share.py),
 so the overlap there can only hide waiting, not compute: the ratio measures eyas's overhead
-plus the contention, not what separate GPUs give. Run: python tests/bench/bench_stream.py
-[--epochs 1] [--ranks 1] [--budget 0.25]
+plus the contention, not what separate GPUs give. `--separate-cores` stands in for separate
+devices: every thread of extract's processes is pinned to the first half of the cores and every
+thread of train's to the other half, in the offline run as in the streaming one, so each stage
+has the same compute in both and the ratio measures what the overlap costs. Run: python
+tests/bench/bench_stream.py [--epochs 1] [--ranks 1] [--budget 0.25] [--separate-cores]
 """
 
 from __future__ import annotations
@@ -27,7 +30,11 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "support"))
@@ -53,15 +60,65 @@ def toml(assets: dict, name: str, epochs: int, ranks: int, storage: dict | None)
     return text
 
 
-def run(daemon: Daemon, text: str, name: str) -> tuple[dict, int]:
-    """(the run, the peak size of its hidden states while it ran)."""
+class CorePinner:
+    """Pins every thread of the daemon's extract and train processes to that stage's cores,
+    checked every 20 ms. The pin comes within 20 ms of a process's start, long before its
+    imports end and its rank sizes its threads from its affinity (workers/runtime/cpu_share.py)."""
+
+    def __init__(self, daemon_pid: int, cores: dict[str, set[int]]):
+        self.daemon, self.cores = psutil.Process(daemon_pid), cores
+        self.stage_of: dict[int, str | None] = {}
+        self.pinned: set[int] = set()  # thread ids
+        self.by_stage: dict[str, int] = {}  # threads pinned, per stage (printed: the pin took)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                children = self.daemon.children(recursive=True)
+            except psutil.Error:
+                children = []
+            for p in children:
+                try:
+                    self._pin(p)
+                except (psutil.Error, OSError):  # ended between the listing and the pin
+                    continue
+            time.sleep(0.02)
+
+    def _pin(self, p: psutil.Process) -> None:
+        if p.pid not in self.stage_of:
+            self.stage_of[p.pid] = p.environ().get("EYAS_STAGE")
+        cores = self.cores.get(self.stage_of[p.pid] or "")
+        if cores is None:
+            return
+        for t in p.threads():
+            if t.id not in self.pinned:
+                os.sched_setaffinity(t.id, cores)
+                self.pinned.add(t.id)
+                self.by_stage[self.stage_of[p.pid]] = self.by_stage.get(self.stage_of[p.pid], 0) + 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run(daemon: Daemon, text: str, name: str, cores: dict[str, set[int]] | None = None) -> tuple[dict, int, dict]:
+    """(the run, the peak size of its hidden states while it ran, the threads pinned per stage)."""
     run_id = daemon.submit(text, f"{name}.toml")
     sampler = DiskSampler(Path(daemon.run(run_id)["output_dir"]) / "extract")
-    r = daemon.wait_run(run_id, timeout=3600)
+    pinner = CorePinner(daemon.proc.pid, cores) if cores else None
+    try:
+        r = daemon.wait_run(run_id, timeout=3600)
+    finally:
+        if pinner:
+            pinner.stop()
     peak = sampler.stop()
+    pinned = pinner.by_stage if pinner else {}
     if r["state"] != "succeeded":
         raise SystemExit(f"{name}: run {run_id} {r['state']}: {r['reason']}\n{daemon.diagnose(run_id)}")
-    return r, peak
+    return r, peak, pinned
 
 
 def times(r: dict) -> dict[str, tuple[float, float]]:
@@ -78,7 +135,15 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--budget", type=float, default=0.25, help="the window's budget, a fraction of offline's disk")
+    ap.add_argument(
+        "--separate-cores", action="store_true", help="extract on the first half of the cores, train on the rest"
+    )
     args = ap.parse_args()
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.separate_cores and len(cpus) < 2:
+        raise SystemExit("--separate-cores needs at least 2 cores")
+    half = len(cpus) // 2
+    cores = {"extract": set(cpus[:half]), "train": set(cpus[half:])} if args.separate_cores else None
 
     from eyas.cli.demo import FIT_STEPS
     from eyas.workers.models import assets as build
@@ -88,11 +153,13 @@ def main() -> int:
     os.environ.update(EYAS_HOME=str(home), XDG_RUNTIME_DIR=str(home / "rt"))
     daemon = Daemon(home).start()
     try:
-        off, off_peak = run(daemon, toml(made, "offline", args.epochs, args.ranks, None), "offline")
+        off, off_peak, off_pins = run(daemon, toml(made, "offline", args.epochs, args.ranks, None), "offline", cores)
         offline_disk = hs_bytes(Path(off["output_dir"]) / "extract")
         budget = offline_disk * args.budget
         storage = {"mode": "streaming", "budget_gb": budget / 1e9}
-        on, on_peak = run(daemon, toml(made, "streaming", args.epochs, args.ranks, storage), "streaming")
+        on, on_peak, on_pins = run(
+            daemon, toml(made, "streaming", args.epochs, args.ranks, storage), "streaming", cores
+        )
     finally:
         daemon.cleanup()
         shutil.rmtree(home, ignore_errors=True)
@@ -108,7 +175,9 @@ def main() -> int:
     figures = {
         "epochs": args.epochs,
         "ranks": args.ranks,
-        "cpus": len(os.sched_getaffinity(0)),
+        "cpus": len(cpus),
+        "cores": {k: sorted(v) for k, v in cores.items()} if cores else "shared",
+        "threads_pinned": {"offline": off_pins, "streaming": on_pins} if cores else None,
         "offline_wall_s": round(offline_s, 1),
         "offline_extract_s": round(extract_s, 1),
         "offline_train_s": round(train_s, 1),
