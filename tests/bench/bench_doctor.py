@@ -40,7 +40,8 @@ import sys, time
 t0 = time.monotonic()
 from vllm import LLM
 llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=512, skip_tokenizer_init=True,
-          enable_prefix_caching=False, compilation_config={"custom_ops": ["-rotary_embedding"]}, seed=0)
+          enable_prefix_caching=False, compilation_config={"custom_ops": ["-rotary_embedding"]}, seed=0,
+          attention_backend="CPU_MLA")  # as eyas's engine_args: AMX's MLA kernel packs no float32
 print("ENGINE_UP", round(time.monotonic() - t0, 2), flush=True)
 """
 

@@ -63,7 +63,7 @@ from eyas.workers.models.adapters import Decoder
 from eyas.workers.runtime import atomic
 from eyas.workers.vllm import streaming, tpfailure
 from eyas.workers.vllm import version as vllm_version
-from eyas.workers.vllm.settings import is_mla, with_native_rotary
+from eyas.workers.vllm.settings import is_mla, with_cpu_mla_backend, with_native_rotary
 
 log = logging.getLogger("eyas.vllm_backend")
 stage_log = logging.getLogger("eyas.extract")  # the stage's own lines (main, run), as on the hf backend
@@ -162,7 +162,7 @@ def engine_args(
     }
     args.update(extra)
     if cpu_build and is_mla(model_cfg or {}):
-        args = with_native_rotary(args)
+        args = with_cpu_mla_backend(with_native_rotary(args))
     return args
 
 

@@ -44,6 +44,25 @@ def with_native_rotary(args: dict) -> dict:
     return {**args, "compilation_config": compilation}
 
 
+# The dtypes whose weights vLLM's AMX MLA kernel packs (csrc/cpu: convert_weight_packed).
+AMX_MLA_DTYPES = ("bfloat16", "float16", "half")
+ATTENTION_KEYS = ("attention_backend", "attention_config")
+
+
+def with_cpu_mla_backend(args: dict) -> dict:
+    """`args` with vLLM's reference CPU MLA kernel named, where vLLM would pick one that cannot
+    load the target.
+
+    For MLA targets on vLLM's CPU build: on an x86 host with AMX tiles (Sapphire Rapids and
+    later) vLLM prefers its AMX MLA kernel, whose weight packing takes only bf16 or fp16 weights,
+    so a float32 target fails while loading with "expect weight to be bfloat16, float16, int8,
+    fp8_e4m3 or uint8". The reference kernel (CPU_MLA, what hosts without AMX get anyway) takes
+    any dtype. A backend the user named in the engine options stays theirs."""
+    if str(args.get("dtype")) in AMX_MLA_DTYPES or any(args.get(k) for k in ATTENTION_KEYS):
+        return args
+    return {**args, "attention_backend": "CPU_MLA"}
+
+
 def in_process_engine_env(on_gpu: bool) -> dict[str, str]:
     """Environment that keeps vLLM's engine core in the calling process, on the CPU build.
 

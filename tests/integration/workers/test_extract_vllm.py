@@ -197,6 +197,19 @@ def test_engine_args_fix_what_capture_needs_and_refuse_overrides():
     }
     assert args["compilation_config"] == {"custom_ops": ["-rotary_embedding"]}  # MLA on the CPU build
     assert "compilation_config" not in vllm_backend.engine_args("/m", "float32", 1, False, 9, "x", None, {}, True)
+    # A float32 MLA target on the CPU build gets the reference MLA kernel: vLLM's AMX one (its
+    # choice on hosts with AMX tiles) packs only bf16/fp16 weights and fails the load.
+    mla = {"kv_lora_rank": 512}
+    assert args["attention_backend"] == "CPU_MLA"
+    assert "attention_backend" not in vllm_backend.engine_args("/m", "bfloat16", 1, False, 9, "x", None, mla, True)
+    assert "attention_backend" not in vllm_backend.engine_args("/m", "float32", 1, False, 9, "x", None, mla, False)
+    assert "attention_backend" not in vllm_backend.engine_args("/m", "float32", 1, False, 9, "x", None, {}, True)
+    assert (
+        vllm_backend.engine_args("/m", "float32", 1, False, 9, "x", {"attention_backend": "TORCH_SDPA"}, mla, True)[
+            "attention_backend"
+        ]
+        == "TORCH_SDPA"
+    )
     # Overriding what eyas sets is refused with the run's options (state/specs.py), before any engine.
     with pytest.raises(ValueError, match="options.vllm: sets enforce_eager, tensor_parallel_size, which eyas sets"):
         runconfig.stage_options("extract", {"vllm": {"tensor_parallel_size": 4, "enforce_eager": False}})
