@@ -229,62 +229,27 @@ def run(ctx, settings, target, layer_ids, dataset, lengths, st: stream.Stream, s
     rows = dataset.with_format(None)
     hidden = hf.hidden_size(target)
     mine = batches(st, start, settings.batch_size)[ctx.rank :: ctx.world_size]
-    by_dir: dict[Path, set[int]] = {}
-    for _, epoch, batch in mine:
-        by_dir.setdefault(st.dir_for(epoch), set()).update(batch)
-    for directory, indices in by_dir.items():
-        # A killed attempt's temp files would count against the window for ever.
-        hswriter.remove_temp_files(directory, indices)
-    if ctx.rank == 0:
-        prune_before(st, start)
-        for path in (st.extract_dir / stream.STREAM_DIR).glob("inflight-*.json"):
-            if int(path.stem.split("-")[1]) >= ctx.world_size:  # a larger attempt's, killed
-                path.unlink(missing_ok=True)
+    clear_leftovers(st, start, mine, ctx.world_size, first=ctx.rank == 0)
     prod = Producer(ctx, settings, st, start, lengths, per_token)
-    # Every item of this rank's share counts, present or not: what is present was done before.
-    total = [r for _, _, b in mine for r in b]
-    ctx.progress.update(
-        samples=0, tokens=0, samples_total=len(total), tokens_total=sum(lengths[r] for r in total), force=True
-    )
     pad_id = hf._pad_id(target.model)
     torch_dtype = getattr(torch, settings.dtype)
     capture = LayerCapture(target.decoder, layer_ids)
     t0 = time.monotonic()
     try:
         with torch.inference_mode(), capture:
-            for b, (pos, epoch, batch) in enumerate(mine):
-                directory = st.dir_for(epoch)
-                missing = [r for r in batch if not (directory / hswriter.file_name(r)).exists()]
-                if not missing:
-                    stats.skipped_batches += 1
-                    stats.samples += len(batch)
-                    stats.tokens += sum(lengths[r] for r in batch)
-                    continue
-                prod.admit(pos, pos + len(batch), prod.est(missing), len(missing))
+            for directory, batch, missing in walk(ctx, prod, st, mine, lengths, stats):
                 token_ids = [rows[i]["input_ids"] for i in batch]
                 for i, ids in zip(batch, token_ids):
                     check_row(i, ids, lengths)
                 buf = hf._buffer(token_ids, len(layer_ids), hidden, torch_dtype, settings.device)
                 hf._forward(target.decoder, capture, token_ids, pad_id, settings.device, buf)
                 prod.put(directory, hf.job(buf, batch, token_ids, set(missing), settings.device))
-                stats.samples += len(batch) - len(missing)  # batch_done counts the missing ones
-                stats.batch_done(b, len(mine), batch, missing, lengths, None)
-                ctx.progress.update(samples=stats.samples, tokens=stats.tokens, **prod.metrics())
     except BaseException:
         prod.abort()
         raise
     prod.close()
     stats.written = prod.written
-    stats.seconds = time.monotonic() - t0
-    ctx.progress.update(samples=stats.samples, tokens=stats.tokens, force=True, **prod.metrics())
-    log.info(
-        "streaming rank done: %d files written, %d batches skipped, waited %d times (%.1f s) for room, %.1f s",
-        stats.written,
-        stats.skipped_batches,
-        prod.waits,
-        prod.wait_s,
-        stats.seconds,
-    )
+    finished(ctx, prod, stats, time.monotonic() - t0, "streaming rank done")
     if not st.keep:
         # Alive until train is done: after a failure of either half both restart, and the
         # extractor is what makes again the shards train freed after its last checkpoint.
@@ -292,6 +257,61 @@ def run(ctx, settings, target, layer_ids, dataset, lengths, st: stream.Stream, s
             while not stream.train_done(st.extract_dir):
                 time.sleep(0.2)
     return prod
+
+
+def clear_leftovers(st: stream.Stream, start: tuple[int, int], mine: list, world_size: int, first: bool) -> None:
+    """What a killed attempt left that would mislead this one: the temp files of this rank's
+    share (they would count against the window for ever) and, on the `first` rank, what train
+    used before its resume point and the in-flight records of an attempt with more ranks."""
+    by_dir: dict[Path, set[int]] = {}
+    for _, epoch, batch in mine:
+        by_dir.setdefault(st.dir_for(epoch), set()).update(batch)
+    for directory, indices in by_dir.items():
+        hswriter.remove_temp_files(directory, indices)
+    if first:
+        prune_before(st, start)
+        for path in (st.extract_dir / stream.STREAM_DIR).glob("inflight-*.json"):
+            if int(path.stem.split("-")[1]) >= world_size:
+                path.unlink(missing_ok=True)
+
+
+def walk(ctx, prod: Producer, st: stream.Stream, mine: list, lengths, stats):
+    """This rank's batches that need making, as (directory, batch, missing rows), each admitted
+    into the window before it is yielded and counted in `stats` and the progress once the caller
+    has made it. A batch whose shards all exist (a resumed attempt's) is counted and skipped."""
+    # Every item of this rank's share counts, present or not: what is present was done before.
+    total = [r for _, _, b in mine for r in b]
+    ctx.progress.update(
+        samples=0, tokens=0, samples_total=len(total), tokens_total=sum(lengths[r] for r in total), force=True
+    )
+    for b, (pos, epoch, batch) in enumerate(mine):
+        directory = st.dir_for(epoch)
+        missing = [r for r in batch if not (directory / hswriter.file_name(r)).exists()]
+        if not missing:
+            stats.skipped_batches += 1
+            stats.samples += len(batch)
+            stats.tokens += sum(lengths[r] for r in batch)
+            continue
+        prod.admit(pos, pos + len(batch), prod.est(missing), len(missing))
+        yield directory, batch, missing
+        stats.samples += len(batch) - len(missing)  # batch_done counts the missing ones
+        stats.batch_done(b, len(mine), batch, missing, lengths, None)
+        ctx.progress.update(samples=stats.samples, tokens=stats.tokens, **prod.metrics())
+
+
+def finished(ctx, prod: Producer, stats, seconds: float, what: str) -> None:
+    """The walk's last progress record and its log line."""
+    stats.seconds = seconds
+    ctx.progress.update(samples=stats.samples, tokens=stats.tokens, force=True, **prod.metrics())
+    log.info(
+        "%s: %d files written, %d batches skipped, waited %d times (%.1f s) for room, %.1f s",
+        what,
+        stats.written,
+        stats.skipped_batches,
+        prod.waits,
+        prod.wait_s,
+        stats.seconds,
+    )
 
 
 def prune_before(st: stream.Stream, start: tuple[int, int]) -> int:

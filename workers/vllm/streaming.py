@@ -14,7 +14,7 @@ import logging
 import time
 
 from eyas.state.target import text_value
-from eyas.workers.extract import hswriter, producer, stream
+from eyas.workers.extract import producer, stream
 from eyas.workers.extract.output import TargetInfo, finish, write_summary
 from eyas.workers.extract.plan import Stats, check_row
 
@@ -67,29 +67,11 @@ def run(ctx, settings, engine, info: TargetInfo, layer_ids, dataset, lengths, st
     hs_dir = settings.out_dir / "hidden_states"
     producer.write_config_early(settings, info, layer_ids, lengths, hs_dir)
     mine = producer.batches(st, start, settings.batch_size)
-    for directory in {st.dir_for(epoch) for _, epoch, _ in mine}:
-        # A killed attempt's temp files would count against the window for ever.
-        hswriter.remove_temp_files(directory, {r for _, e, b in mine if st.dir_for(e) == directory for r in b})
-    producer.prune_before(st, start)
-    for path in (st.extract_dir / stream.STREAM_DIR).glob("inflight-*.json"):
-        if path.name != "inflight-0.json":  # a larger attempt's, killed
-            path.unlink(missing_ok=True)
+    producer.clear_leftovers(st, start, mine, 1, first=True)  # one driver: inflight-0.json only
     prod = EngineProducer(engine, ctx, settings, st, start, lengths, per_token)
     rows = dataset.with_format(None)
-    total = [r for _, _, b in mine for r in b]
-    ctx.progress.update(
-        samples=0, tokens=0, samples_total=len(total), tokens_total=sum(lengths[r] for r in total), force=True
-    )
     stats, current, t0 = Stats(), None, time.monotonic()
-    for b, (pos, epoch, batch) in enumerate(mine):
-        directory = st.dir_for(epoch)
-        missing = [r for r in batch if not (directory / hswriter.file_name(r)).exists()]
-        if not missing:
-            stats.skipped_batches += 1
-            stats.samples += len(batch)
-            stats.tokens += sum(lengths[r] for r in batch)
-            continue
-        prod.admit(pos, pos + len(batch), prod.est(missing), len(missing))
+    for directory, batch, missing in producer.walk(ctx, prod, st, mine, lengths, stats):
         if directory != current:
             engine.directory(directory)
             current = directory
@@ -101,21 +83,9 @@ def run(ctx, settings, engine, info: TargetInfo, layer_ids, dataset, lengths, st
         report = engine.run(items)
         if report.get("samples") != sorted(batch):
             raise RuntimeError(f"TP rank 0 reported samples {report.get('samples')} for batch {sorted(batch)}")
-        stats.samples += len(batch) - len(missing)  # batch_done counts the missing ones
-        stats.batch_done(b, len(mine), batch, missing, lengths, None)
-        ctx.progress.update(samples=stats.samples, tokens=stats.tokens, **prod.metrics())
     stats.written = int(engine.finish().get("written", 0))
     prod.close()
-    stats.seconds = time.monotonic() - t0
-    ctx.progress.update(samples=stats.samples, tokens=stats.tokens, force=True, **prod.metrics())
-    log.info(
-        "streaming done: %d files written, %d batches skipped, waited %d times (%.1f s) for room, %.1f s",
-        stats.written,
-        stats.skipped_batches,
-        prod.waits,
-        prod.wait_s,
-        stats.seconds,
-    )
+    producer.finished(ctx, prod, stats, time.monotonic() - t0, "streaming done")
     engine.shutdown()  # its GPUs are train's from here on
     extra = {
         "streaming": st.mode,
