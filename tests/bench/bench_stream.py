@@ -17,8 +17,11 @@ so the overlap there can only hide waiting, not compute: the ratio measures eyas
 plus the contention, not what separate GPUs give. `--separate-cores` stands in for separate
 devices: every thread of extract's processes is pinned to the first half of the cores and every
 thread of train's to the other half, in the offline run as in the streaming one, so each stage
-has the same compute in both and the ratio measures what the overlap costs. Run: python
+has the same compute in both and the ratio measures what the overlap costs. One pair's ratio
+on a 2-core host moves by ±0.07 from run to run, so `--repeat N` runs N offline/streaming pairs
+in turn on one daemon and judges the median, printing the range beside it. Run: python
 tests/bench/bench_stream.py [--epochs 1] [--ranks 1] [--budget 0.25] [--separate-cores]
+[--repeat 1]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -138,6 +142,9 @@ def main() -> int:
     ap.add_argument(
         "--separate-cores", action="store_true", help="extract on the first half of the cores, train on the rest"
     )
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="offline/streaming pairs, run in turn; the median ratio is the verdict"
+    )
     args = ap.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     if args.separate_cores and len(cpus) < 2:
@@ -152,18 +159,39 @@ def main() -> int:
     home = short_tmp()
     os.environ.update(EYAS_HOME=str(home), XDG_RUNTIME_DIR=str(home / "rt"))
     daemon = Daemon(home).start()
+    pairs: list[dict] = []
     try:
-        off, off_peak, off_pins = run(daemon, toml(made, "offline", args.epochs, args.ranks, None), "offline", cores)
-        offline_disk = hs_bytes(Path(off["output_dir"]) / "extract")
-        budget = offline_disk * args.budget
-        storage = {"mode": "streaming", "budget_gb": budget / 1e9}
-        on, on_peak, on_pins = run(
-            daemon, toml(made, "streaming", args.epochs, args.ranks, storage), "streaming", cores
-        )
+        for i in range(args.repeat):
+            figures = pair(daemon, made, args, cores, suffix=f"-{i}" if args.repeat > 1 else "")
+            figures["cpus"] = len(cpus)
+            print(json.dumps(figures, indent=1), flush=True)
+            pairs.append(figures)
+            if figures["streaming_peak_disk_mb"] > figures["budget_mb"]:
+                print(f"FAIL: the hidden states reached {figures['streaming_peak_disk_mb']} MB, over the budget")
+                return 1
     finally:
         daemon.cleanup()
         shutil.rmtree(home, ignore_errors=True)
 
+    ratios = sorted(f["streaming_over_max_stage"] for f in pairs)
+    ratio = statistics.median(ratios)
+    verdict = "meets" if ratio <= TARGET_RATIO else "misses"
+    spread = f" (median of {len(ratios)} pairs, range {ratios[0]:.3f} to {ratios[-1]:.3f})" if len(ratios) > 1 else ""
+    print(f"streaming ÷ max(extract, train) = {ratio:.3f}{spread}: {verdict} the {TARGET_RATIO} target")
+    disk = statistics.median(f["peak_disk_over_offline"] for f in pairs)
+    print(f"peak disk ÷ offline disk = {disk:.3f}")
+    return 0
+
+
+def pair(daemon: Daemon, made: dict, args: argparse.Namespace, cores: dict | None, suffix: str) -> dict:
+    """One offline run then one streaming run on the same daemon, and their figures."""
+    off, _, off_pins = run(daemon, toml(made, f"offline{suffix}", args.epochs, args.ranks, None), "offline", cores)
+    offline_disk = hs_bytes(Path(off["output_dir"]) / "extract")
+    budget = offline_disk * args.budget
+    storage = {"mode": "streaming", "budget_gb": budget / 1e9}
+    on, on_peak, on_pins = run(
+        daemon, toml(made, f"streaming{suffix}", args.epochs, args.ranks, storage), "streaming", cores
+    )
     t_off, t_on = times(off), times(on)
     extract_s = t_off["extract"][1] - t_off["extract"][0]
     train_s = t_off["train"][1] - t_off["train"][0]
@@ -171,18 +199,18 @@ def main() -> int:
     streaming_s = max(e for _, e in t_on.values()) - min(s for s, _ in t_on.values())
     ex = next(s for s in on["stages"] if s["name"] == "extract")["summary"]
     tr = next(s for s in on["stages"] if s["name"] == "train")["summary"]
-    ratio = streaming_s / max(extract_s, train_s)
-    figures = {
+    return {
         "epochs": args.epochs,
         "ranks": args.ranks,
-        "cpus": len(cpus),
         "cores": {k: sorted(v) for k, v in cores.items()} if cores else "shared",
         "threads_pinned": {"offline": off_pins, "streaming": on_pins} if cores else None,
         "offline_wall_s": round(offline_s, 1),
         "offline_extract_s": round(extract_s, 1),
         "offline_train_s": round(train_s, 1),
         "streaming_wall_s": round(streaming_s, 1),
-        "streaming_over_max_stage": round(ratio, 3),
+        "streaming_train_start_after_extract_s": round(t_on["train"][0] - t_on["extract"][0], 2),
+        "streaming_train_end_after_extract_s": round(t_on["train"][1] - t_on["extract"][1], 2),
+        "streaming_over_max_stage": round(streaming_s / max(extract_s, train_s), 3),
         "offline_disk_mb": round(offline_disk / 1e6, 2),
         "budget_mb": round(budget / 1e6, 2),
         "streaming_peak_disk_mb": round(on_peak / 1e6, 2),
@@ -192,16 +220,9 @@ def main() -> int:
         "extract_wait_s": ex["extract_wait_s"],
         "train_waits_on_extract": int(tr["train_waits"]),
         "train_wait_s": round(tr["train_wait_s"], 1),
-        "val_loss_offline": off_val if (off_val := _val(off)) is not None else None,
+        "val_loss_offline": _val(off),
         "val_loss_streaming": _val(on),
     }
-    print(json.dumps(figures, indent=1))
-    verdict = "meets" if ratio <= TARGET_RATIO else "misses"
-    print(f"streaming ÷ max(extract, train) = {ratio:.3f}: {verdict} the {TARGET_RATIO} target")
-    if on_peak > budget:
-        print(f"FAIL: the hidden states reached {on_peak} bytes, over the {int(budget)}-byte budget")
-        return 1
-    return 0
 
 
 def _val(r: dict) -> float | None:
