@@ -29,14 +29,20 @@ class Feed:
         self.ctx, self.main = ctx, ctx.rank == 0
         self.extract_dir = extract_dir
         self.progress = ctx.progress
-        stream.wait_for(stream.plan_path(extract_dir), self.progress, "waiting for extract's stream plan")
+        self.waits = 0  # times this rank waited for extract
+        self.wait_s = 0.0
+        # The plan comes once extract has loaded the target, so this is the first wait on it:
+        # counted with the others, as train waits for the extractor's load here, not for nothing.
+        plan = stream.plan_path(extract_dir)
+        if not plan.exists():
+            t0 = time.monotonic()
+            stream.wait_for(plan, self.progress, "waiting for extract's stream plan (it loads the target first)")
+            self.waits, self.wait_s = 1, time.monotonic() - t0
         self.stream = stream.load(extract_dir, prepare_dir, ctx.config or {}, lengths)
         if self.main:  # the last attempt's word, if it ended after saying it
             (extract_dir / stream.STREAM_DIR / stream.DONE).unlink(missing_ok=True)
         self.ledger = out_dir / LEDGER_DIR / f"rank-{ctx.rank}.jsonl"
         self.window = stream.Ledger(extract_dir)
-        self.waits = 0  # steps this rank waited for extract
-        self.wait_s = 0.0
         self.freed = 0
 
     def dir_for(self, epoch: int | None) -> Path:

@@ -173,3 +173,24 @@ def test_the_ledger_counts_exactly_what_the_writer_lands_and_train_frees_and_a_c
     tmp.write_bytes(b"w" * 1234)
     ledger.replace(tmp, stray)
     assert ledger.read() == _on_disk(tmp_path) and stray.stat().st_size == 1234
+
+
+def test_train_counts_its_wait_for_the_extractors_plan_as_a_wait_on_extract(tmp_path):
+    from eyas.workers.train.feed import Feed
+
+    prepare = tmp_path / "prepare"
+    prepare.mkdir()
+    (prepare / "splits.json").write_text('{"validation": [0]}')
+    extract, out, attempt = tmp_path / "extract", tmp_path / "train", tmp_path / "attempt"
+    attempt.mkdir()
+    ctx = rank_context("train", attempt, tmp_path, {"name": "feed"}, progress_interval=0)
+    lengths = [100] * 7
+    plan = {"mode": "window", "budget": 10**6, "dataset_bytes": 10**7, "samples": 7}
+    # The extractor is still loading its target: no plan yet, and train waits for it.
+    threading.Timer(0.4, stream.write_plan, (extract, plan)).start()
+    feed = Feed(ctx, extract, prepare, out, lengths)
+    assert feed.stream.mode == "window"
+    m = feed.metrics()
+    assert m["train_waits"] == 1 and 0.3 < m["train_wait_s"] < 5, m
+    # Restarted after the plan exists: no wait to count.
+    assert Feed(ctx, extract, prepare, out, lengths).metrics()["train_waits"] == 0
