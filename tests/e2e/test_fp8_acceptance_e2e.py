@@ -42,20 +42,16 @@ def daemon():
         yield d
 
 
-def _run(daemon, name: str, toml: str) -> dict:
-    run_id = daemon.submit(toml, f"{name}.toml")
-    run = daemon.wait_run(run_id, timeout=900)
-    if run["state"] != "succeeded":
-        roots = [a["root_cause"] for st in run["stages"] for a in st["attempt_list"] if a["root_cause"]]
-        pytest.fail(f"run {name} {run['state']}: {run['reason']}\nroot causes: {roots}\n" + daemon.diagnose(run_id))
-    return run
-
-
 @pytest.mark.timeout(1800)
 def test_the_fp8_runs_acceptance_is_within_003_of_the_default_runs(daemon):
     made = assets.build_all(daemon.home / "assets")
     runs = {
-        dtype: _run(daemon, dtype, pipeline_toml(f"e2e-{dtype}", made["tiny-deepseek"], made["chat.jsonl"], dtype))
+        dtype: daemon.wait_succeeded(
+            daemon.submit(
+                pipeline_toml(f"e2e-{dtype}", made["tiny-deepseek"], made["chat.jsonl"], dtype), f"{dtype}.toml"
+            ),
+            timeout=900,
+        )
         for dtype in ("target", "fp8")
     }
     ev = {d: {s["name"]: s for s in r["stages"]}["evaluate"]["summary"] for d, r in runs.items()}

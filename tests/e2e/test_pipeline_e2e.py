@@ -87,12 +87,7 @@ def _metric(daemon, run_id: int, stage: str, attempt: int, name: str) -> list[fl
 
 def test_the_whole_pipeline_runs_on_two_ranks(daemon, pipeline):
     run_id, run, made = pipeline
-    if run["state"] != "succeeded":
-        roots = [a["root_cause"] for st in run["stages"] for a in st["attempt_list"] if a["root_cause"]]
-        pytest.fail(
-            f"run {run_id} {run['state']}: {run['reason']}\nroot causes: {json.dumps(roots, indent=1)[:6000]}\n"
-            + daemon.diagnose(run_id)
-        )
+    daemon.expect_succeeded(run_id, run)
     stages = {s["name"]: s for s in run["stages"]}
     # Validation puts eyas doctor's preflight checks first (state/runconfig.py).
     assert list(stages) in (STAGES, ["preflight", *STAGES])

@@ -68,14 +68,6 @@ def demo_toml(assets: dict, name: str, storage: dict | None = None, evaluate: bo
     return text.replace("[stages.train]\n", "[stages.train]\nstall_timeout = 180\n")
 
 
-def ok(daemon, run_id: int, run: dict) -> None:
-    if run["state"] != "succeeded":
-        roots = [a["root_cause"] for s in run["stages"] for a in s["attempt_list"] if a["root_cause"]]
-        pytest.fail(
-            f"run {run_id} {run['state']}: {run['reason']}\n{json.dumps(roots)[:6000]}\n{daemon.diagnose(run_id)}"
-        )
-
-
 def output_dir(daemon, run_id: int) -> Path:
     return Path(wait_for(lambda: daemon.run(run_id)["output_dir"], 30, what="the run's output dir"))
 
@@ -102,7 +94,7 @@ def train_rows(out: Path) -> list[int]:
 def test_streaming_inside_a_quarter_of_the_offline_disk_trains_the_same_draft(daemon, assets):
     offline = daemon.submit(demo_toml(assets, "offline"), "offline.toml")
     run = daemon.wait_run(offline, timeout=900)
-    ok(daemon, offline, run)
+    daemon.expect_succeeded(offline, run)
     out = Path(run["output_dir"])
     offline_bytes = hs_bytes(out / "extract")
     budget = offline_bytes / 4
@@ -131,7 +123,7 @@ def test_streaming_inside_a_quarter_of_the_offline_disk_trains_the_same_draft(da
     assert shown.returncode == 0, shown.stderr
     run = daemon.wait_run(streaming, timeout=1200)
     peak = sampler.stop()
-    ok(daemon, streaming, run)
+    daemon.expect_succeeded(streaming, run)
     on = {s["name"]: s for s in run["stages"]}
     ex, tr = on["extract"]["summary"], on["train"]["summary"]
     print(
@@ -225,7 +217,7 @@ def test_a_kill_of_either_half_then_retry_trains_every_sample_once_per_epoch(dae
     retried = daemon.cli("retry", run_id)
     assert retried.returncode == 0, retried.stderr
     run = daemon.wait_run(run_id, timeout=900)
-    ok(daemon, run_id, run)
+    daemon.expect_succeeded(run_id, run)
     st = {s["name"]: s for s in run["stages"]}
     assert (st["extract"]["attempts"], st["train"]["attempts"]) == (3, 3)
     trs, exs = st["train"]["summary"], st["extract"]["summary"]
@@ -275,7 +267,7 @@ def test_a_dataset_that_fits_the_budget_is_kept_and_read_again(daemon, assets):
     toml = demo_toml(assets, "keep", storage={"mode": "streaming", "budget_gb": 1.0}, evaluate=False, epochs=2)
     run_id = daemon.submit(toml, "keep.toml")
     run = daemon.wait_run(run_id, timeout=600)
-    ok(daemon, run_id, run)
+    daemon.expect_succeeded(run_id, run)
     out = Path(run["output_dir"])
     st = {s["name"]: s for s in run["stages"]}
     ex, tr = st["extract"]["summary"], st["train"]["summary"]
@@ -303,7 +295,7 @@ def test_the_vllm_backend_streams_inside_the_window_and_trains_every_sample_once
     sampler = DiskSampler(out / "extract")
     run = daemon.wait_run(run_id, timeout=800)
     peak = sampler.stop()
-    ok(daemon, run_id, run)
+    daemon.expect_succeeded(run_id, run)
     st = {s["name"]: s for s in run["stages"]}
     ex, tr = st["extract"]["summary"], st["train"]["summary"]
     assert ex["streaming"] == "window" and ex["tensor_parallel_size"] == 1

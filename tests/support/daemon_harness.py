@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -134,6 +135,20 @@ class Daemon:
             )
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{self.diagnose(run_id)}") from None
+
+    def expect_succeeded(self, run_id: int, run: dict) -> dict:
+        """`run` as given if it succeeded; else the test fails with every root cause and the
+        run's diagnosis, which is what a red CI run has to go on."""
+        if run["state"] != "succeeded":
+            roots = [a["root_cause"] for s in run["stages"] for a in s["attempt_list"] if a["root_cause"]]
+            pytest.fail(
+                f"run {run_id} {run['state']}: {run['reason']}\nroot causes: {json.dumps(roots, indent=1)[:6000]}\n"
+                + self.diagnose(run_id)
+            )
+        return run
+
+    def wait_succeeded(self, run_id: int, timeout: float = 60) -> dict:
+        return self.expect_succeeded(run_id, self.wait_run(run_id, timeout=timeout))
 
     def diagnose(self, run_id: int, lines: int = 40) -> str:
         """What a stuck run was doing: its stages, each live rank's Python stacks and log tail,
