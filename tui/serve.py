@@ -11,12 +11,18 @@ path segment is not the token gets 403, whatever it asks for.
 Loopback only (127.0.0.1 by default, reached from elsewhere through `ssh -L`): any other bind
 address is refused unless the user passes --i-know-this-is-not-loopback, and then warned about on
 stderr, since the traffic is plain HTTP and the served app controls the user's runs.
+
+The page asks nothing of any other host: textual-serve's template links a Google Fonts
+stylesheet, which would tell Google each time a user opens their runs and stalls the page on an
+air-gapped cluster; its link is dropped as the template loads, and the page uses the
+template's local fallback (menlo, monospace).
 """
 
 from __future__ import annotations
 
 import getpass
 import ipaddress
+import re
 import secrets
 import shlex
 import socket
@@ -25,6 +31,13 @@ from pathlib import Path
 
 NOT_LOOPBACK_FLAG = "--i-know-this-is-not-loopback"
 DEFAULT_HOST = "127.0.0.1"
+# A <link> or <script> whose address is absolute (another host) rather than under the token.
+_OUTSIDE = re.compile(r"<(link|script)\b[^>]*\b(href|src)=\"(https?:)?//[^\"]*\"[^>]*>(\s*</script>)?", re.S)
+
+
+def local_only(html: str) -> str:
+    """`html` without the tags that load anything from another host."""
+    return _OUTSIDE.sub("", html)
 
 
 def is_loopback(host: str) -> bool:
@@ -106,6 +119,11 @@ def make_server(command: str, token: str, title: str = "eyas"):
     from aiohttp import WSCloseCode, web
     from textual_serve.server import Server, to_int
 
+    class LocalTemplates(jinja2.FileSystemLoader):
+        def get_source(self, environment, template):
+            source, filename, uptodate = super().get_source(environment, template)
+            return local_only(source), filename, uptodate
+
     prefix = f"/{token}"
     sessions: set[web.WebSocketResponse] = set()
 
@@ -120,7 +138,7 @@ def make_server(command: str, token: str, title: str = "eyas"):
     class TokenServer(Server):
         async def _make_app(self) -> web.Application:
             app = web.Application(middlewares=[require_token])
-            aiohttp_jinja2.setup(app, loader=jinja2.FileSystemLoader(self.templates_path))
+            aiohttp_jinja2.setup(app, loader=LocalTemplates(self.templates_path))
             app.add_routes(
                 [
                     web.get(prefix, self.handle_bare),

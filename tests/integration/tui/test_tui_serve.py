@@ -154,6 +154,11 @@ def test_every_request_needs_the_token(tmp_path):
                 page = r.read().decode()
             ws_url = f"ws://127.0.0.1:{served.base.rsplit(':', 1)[1]}/{served.token}/ws"
             assert f'data-session-websocket-url="{ws_url}"' in page
+            # Everything the page loads comes from this server, under the token: textual-serve's
+            # Google Fonts link is gone (tui/serve.py says why).
+            loads = re.findall(r'\b(?:href|src)="([^"]*)"', page)
+            assert loads and all(u.startswith(f"/{served.token}/static/") for u in loads), loads
+            assert "googleapis" not in page
 
             names = _run_names(home)
 
@@ -278,6 +283,9 @@ def test_the_tui_in_headless_chromium_shows_runs_and_opens_one(tmp_path, monkeyp
         wait_for(lambda: all(n in screen() for n in names.values()), 60, 0.2, "the run names in the browser")
         wait_for(lambda: "● daemon" in screen(), 30, 0.2, "the TUI to connect to the daemon")
         assert "runs" in screen()
+        # What the browser itself fetched: nothing from another host.
+        fetched = driver.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+        assert fetched and all(u.startswith(served.base + "/") for u in fetched), fetched
         before = len(driver.execute_script("return window.__eyasSeen"))
         driver.find_element(By.CSS_SELECTOR, "textarea.xterm-helper-textarea").send_keys(Keys.ENTER)
         opened = wait_for(
