@@ -180,49 +180,7 @@ def main() -> int:
     print(f"streaming ÷ max(extract, train) = {ratio:.3f}{spread}: {verdict} the {TARGET_RATIO} target")
     disk = statistics.median(f["peak_disk_over_offline"] for f in pairs)
     print(f"peak disk ÷ offline disk = {disk:.3f}")
-    if cores:
-        bus = statistics.median(corun_factor(cores) for _ in range(3))
-        print(
-            f"this host, for context: a memory-bound loop on train's cores takes {bus:.3f}x as long while"
-            " one runs on extract's (median of 3); separate GPUs share no such bus"
-        )
     return 0
-
-
-# A loop that streams 64 MB tensors through memory (an elementwise update, one thread), the
-# kind of work a small draft's training step does between its matmuls.
-_BUS_LOOP = """
-import os, sys, time
-os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(",")})
-import torch
-torch.set_num_threads(1)
-a = torch.randn(4096, 4096)
-t = time.perf_counter()
-for _ in range(int(sys.argv[2])):
-    a = a * 1.0001 + 0.5
-print(time.perf_counter() - t)
-"""
-
-
-def corun_factor(cores: dict[str, set[int]]) -> float:
-    """Time of the bus loop on train's cores beside one on extract's, over its time alone.
-
-    Why measure it: on a CPU host the separate cores still share one memory bus, so the trainer
-    runs slower while the extractor runs whatever eyas does; this is that slowdown, bare."""
-    import subprocess
-
-    def start(which: str, loops: int) -> subprocess.Popen:
-        arg = ",".join(map(str, sorted(cores[which])))
-        cmd = [sys.executable, "-c", _BUS_LOOP, arg, str(loops)]
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-
-    alone = float(start("train", 40).communicate()[0])
-    # The other loop starts first and runs three times as long, so it is running from the first
-    # to the last of the measured loop's iterations.
-    other = start("extract", 120)
-    beside = float(start("train", 40).communicate()[0])
-    other.communicate()
-    return beside / alone
 
 
 def pair(daemon: Daemon, made: dict, args: argparse.Namespace, cores: dict | None, suffix: str) -> dict:

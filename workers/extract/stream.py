@@ -293,16 +293,18 @@ def write_plan(extract_dir: Path, fields: dict[str, Any]) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def wait_for(path: Path, progress, what: str, timeout: float | None = None) -> None:
-    """Poll for `path`, with heartbeats so the daemon's stall rule sees a rank alive and waiting."""
+def wait_for(path: Path, progress, what: str, timeout: float | None = None) -> float:
+    """Poll for `path`, with heartbeats so the daemon's stall rule sees a rank alive and waiting;
+    returns the seconds waited (0.0 when it was there)."""
     if path.exists():
-        return
+        return 0.0
     t0 = time.monotonic()
     with progress.beating(what):
         while not path.exists():
             if timeout is not None and time.monotonic() - t0 > timeout:
                 raise TimeoutError(f"{path} did not appear within {timeout:.0f} s ({what})")
             time.sleep(POLL_S)
+    return time.monotonic() - t0
 
 
 def load(extract_dir: Path, prepare_dir: Path, cfg: dict, lengths: list[int]) -> Stream:

@@ -29,15 +29,15 @@ class Feed:
         self.ctx, self.main = ctx, ctx.rank == 0
         self.extract_dir = extract_dir
         self.progress = ctx.progress
-        self.waits = 0  # times this rank waited for extract
-        self.wait_s = 0.0
-        # The plan comes once extract has loaded the target, so this is the first wait on it:
-        # counted with the others, as train waits for the extractor's load here, not for nothing.
-        plan = stream.plan_path(extract_dir)
-        if not plan.exists():
-            t0 = time.monotonic()
-            stream.wait_for(plan, self.progress, "waiting for extract's stream plan (it loads the target first)")
-            self.waits, self.wait_s = 1, time.monotonic() - t0
+        # The plan comes once extract has loaded the target: train's first wait on extract,
+        # counted with the others (wait below).
+        waited = stream.wait_for(
+            stream.plan_path(extract_dir),
+            self.progress,
+            "waiting for extract's stream plan (it loads the target first)",
+        )
+        self.waits = 1 if waited else 0  # times this rank waited for extract
+        self.wait_s = waited
         self.stream = stream.load(extract_dir, prepare_dir, ctx.config or {}, lengths)
         if self.main:  # the last attempt's word, if it ended after saying it
             (extract_dir / stream.STREAM_DIR / stream.DONE).unlink(missing_ok=True)
