@@ -14,7 +14,7 @@ import time
 
 from eyas.state import specs, store
 
-from . import settle, watchdog
+from . import intent, settle, watchdog
 from .failures import exit_text, who
 from .group import Group
 from .limits import stage_value
@@ -22,8 +22,9 @@ from .ranks import Rank, RankExit
 
 log = logging.getLogger("eyas.daemon.agent")
 
-# How long a stop waits for its intent to be recorded before signalling anyway (the
-# settlement, written once the lock goes, carries the reason from memory).
+# How long a stop whose intent file could not be written (a full disk) waits for its store
+# record before signalling anyway (the settlement, written once the store lets it, carries the
+# reason from memory). With the file written, nothing waits (intent.py).
 INTENT_WAIT = 1.0
 SHUTDOWN_WAIT_S = 30.0
 
@@ -37,25 +38,36 @@ class Agent:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _record_stop(self, group: Group, reason: str) -> asyncio.Future:
-        """Queued before any signal (intent.py): a daemon killed during the teardown is
-        followed by one that settles the attempt as cancelled. On a full disk or a held lock
-        the stop still happens (the disk may be full because of this very run); its
-        settlement, written after this, carries the reason."""
-        now = time.time()
-        return self.write_later(
-            lambda db: store.record_cancel(db, group.attempt_id, reason, now=now),
+    def _record_stop(self, group: Group, reason: str, at: float | None = None) -> tuple[asyncio.Future, bool]:
+        """Make a stop durable before any signal (intent.py): the intent file beside the
+        attempt now, the store record queued behind it (it commits whenever another process
+        lets go of eyas.db), the file removed once the record is in. Returns the record's future
+        and whether the file was written. On a full disk or a held lock the stop still happens
+        (the disk may be full because of this very run); its settlement carries the reason."""
+        at = time.time() if at is None else at
+        written = intent.write_stop(group.dir, reason, at)
+        recorded = self.write_later(
+            lambda db: store.record_cancel(db, group.attempt_id, reason, now=at),
             f"recording the stop of run {group.run_id} {group.stage} in eyas.db",
         )
+        if written:
+            recorded.add_done_callback(
+                lambda f: None if f.cancelled() or f.exception() is not None else intent.clear_stop(group.dir)
+            )
+        return recorded, written
 
-    async def _cancel_group(self, group: Group, reason: str) -> None:
-        """End a live group on purpose: record why (waiting a moment for it), then signal."""
-        if group.teardown_since is None and group.cancel_reason is None:
-            group.cancel_reason = reason
-            recorded = self._record_stop(group, reason)
+    async def _cancel_group(self, group: Group, reason: str) -> asyncio.Future | None:
+        """End a live group on purpose: make the stop durable, then signal, whatever holds the
+        store. Returns the store record's future; None when the group was ending already."""
+        if group.teardown_since is not None or group.cancel_reason is not None:
+            return None
+        group.cancel_reason = reason
+        recorded, written = self._record_stop(group, reason)
+        if not written:  # the store record is the only durable word: a moment for it, no more
             await asyncio.wait({recorded}, timeout=INTENT_WAIT)
-            if group.teardown_since is None:
-                self._spawn_task(group.teardown(self.grace, reason))
+        if group.teardown_since is None:
+            self._spawn_task(group.teardown(self.grace, reason))
+        return recorded
 
     def supervise(self) -> None:
         """Check every group: record exits, tear down on the first failure, settle the end.

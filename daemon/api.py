@@ -1,7 +1,8 @@
 """The daemon's socket API: one `op_<name>` method per request, each a few store jobs and signals; errors become the protocol's error codes.
 
 A request waits for the store at most OP_TIMEOUT (another process may hold eyas.db locked):
-then it is refused as `store_busy` with nothing done, and it can never run later.
+then it is refused as `store_busy` with nothing done, and it can never run later. A stop of
+live ranks is the exception: it never waits for the store (op_stop, daemon/intent.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ log = logging.getLogger("eyas.daemon.api")
 # How long a request waits for the store when another process holds the database locked,
 # before its answer is "store busy" (and nothing of it was done); clients wait longer.
 OP_TIMEOUT = 5.0
+# How long a stop's answer waits for the store to record it, once the ranks are signalled: the
+# answer says whether it is recorded yet, and a held lock never delays it longer than this.
+RECORD_WAIT = 0.5
+STOPPED = "stopped by the user"
 
 
 class Api:
@@ -215,32 +220,83 @@ class Api:
             self._decide.release()
 
     async def op_stop(self, run: int, stage: str | None = None) -> dict:
+        """Stop a run, or one stage of it. Live ranks are signalled at once from memory,
+        whatever holds the store or the scheduler (the stop is durable before the signal:
+        intent.py), and the answer says whether the store has it yet. With nothing live there
+        is nothing to signal: the stop is a change of the record, refused under a held lock
+        with nothing done, as any request is."""
         run_id = self._run_id(run)
-        async with self._deciding(f"stopping run {run_id}"):
-            row = await self._request(lambda db: self._run_row(db, run_id), f"reading run {run_id}")
-            if stage is None:
-                machine.check("run", row["state"], "cancelled", f"run {run_id}")
-            group = self._group_of(run_id, stage)
-            if group is not None:
-                # A streaming pair stops as one: neither half can go on without the other.
-                pair = [g for g in self.groups.values() if g.run_id == run_id and g.stage == specs.sibling(group.stage)]
-                await asyncio.gather(*(self._cancel_group(g, "stopped by the user") for g in [group, *pair]))
-                return {"run_id": run_id, "stage": group.stage, "stopping": True}
+        if self._live_of(run_id, stage):
+            return await self._stop_live(run_id, stage)
+        deadline = time.monotonic() + OP_TIMEOUT
+        what = f"run {run_id} has no live ranks to signal, so the stop is only a change to its record, and that"
+        try:
+            async with self._deciding(what):
+                if self._live_of(run_id, stage):  # started by the scheduler's pass just waited for
+                    return await self._stop_live(run_id, stage)
 
-            def stop(db):
-                row = self._run_row(db, run_id)
-                if stage is None:
-                    machine.check("run", row["state"], "cancelled", f"run {run_id}")
-                target = stage or self._stage_or_default(db, run_id, None, ("running", "pending"))
-                srow = store.stage_row(db, run_id, target)
-                # The stage and its run together (a pending restart goes with the move).
-                self._move_stage(run_id, target, "cancelled", "stopped by the user")
-                if srow["state"] == "running" or stage is None:
-                    self._finish_run(db, run_id, "cancelled", f"stage {target} stopped by the user")
-                return target
+                def stop(db):
+                    row = self._run_row(db, run_id)
+                    if stage is None:
+                        machine.check("run", row["state"], "cancelled", f"run {run_id}")
+                    target = stage or self._stage_or_default(db, run_id, None, ("running", "pending"))
+                    srow = store.stage_row(db, run_id, target)
+                    # The stage and its run together (a pending restart goes with the move).
+                    self._move_stage(run_id, target, "cancelled", STOPPED)
+                    if srow["state"] == "running" or stage is None:
+                        self._finish_run(db, run_id, "cancelled", f"stage {target} stopped by the user")
+                    return target
 
-            target = await self._request(stop, f"stopping run {run_id}")
-        return {"run_id": run_id, "stage": target, "stopping": False}
+                # One wait for the whole request: the scheduler's hold and the store's together.
+                target = await self.write(stop, what, timeout=max(0.1, deadline - time.monotonic()))
+        except StoreBusy as exc:
+            if self.store.busy is None:  # the scheduler waits on Slurm's controller: its own words
+                raise
+            raise StoreBusy(
+                self.store.busy_text(what, f"run `eyas stop {run_id}` again once the lock is released")
+            ) from exc
+        return {"run_id": run_id, "stage": target, "stopping": False, "recorded": True}
+
+    def _live_of(self, run_id: int, stage: str | None) -> list[Group]:
+        """The live groups a stop ends: the run's, or the stage's, with its streaming sibling
+        (a pair stops as one: neither half can go on without the other)."""
+        group = self._group_of(run_id, stage)
+        if group is None:
+            return []
+        other = specs.sibling(group.stage)
+        return [group, *(g for g in self.groups.values() if g.run_id == run_id and g.stage == other)]
+
+    async def _stop_live(self, run_id: int, stage: str | None) -> dict:
+        """Signal the live groups now; wait RECORD_WAIT at most for the store to record it."""
+        groups = self._live_of(run_id, stage)
+        if self._decide.locked():
+            # The scheduler is mid-pass: a group of this run it starts meanwhile (the second
+            # half of a streaming pair) is stopped too, once the pass is over.
+            stages = None if stage is None else {g.stage for g in groups}
+            self._spawn_task(self._stop_late_starts(run_id, stages))
+        records = [f for f in await asyncio.gather(*(self._cancel_group(g, STOPPED) for g in groups)) if f]
+        if records:
+            await asyncio.wait(records, timeout=RECORD_WAIT)
+        recorded = (
+            all(f.done() and not f.cancelled() and f.exception() is None for f in records)
+            if records
+            else self.store.busy is None  # stopping already: recorded when the store is free
+        )
+        log.info(
+            "run %s: stop of %s signalled%s",
+            run_id,
+            ", ".join(g.stage for g in groups),
+            "" if recorded else f"; recorded once the store is free ({self.store.status()})",
+        )
+        reply = {"run_id": run_id, "stage": groups[0].stage, "stopping": True, "recorded": recorded}
+        if not recorded:  # why not yet: a lock another process holds, a full state directory
+            reply.update(store_busy=self.store.status(), full=self.disk.status())
+        return reply
+
+    async def _stop_late_starts(self, run_id: int, stages: set[str] | None) -> None:
+        async with self._decide:
+            for g in [g for g in self.groups.values() if g.run_id == run_id and (stages is None or g.stage in stages)]:
+                await self._cancel_group(g, STOPPED)  # nothing for a group stopping already
 
     async def op_retry(self, run: int, stage: str | None = None) -> dict:
         run_id = self._run_id(run)
@@ -293,9 +349,9 @@ class Api:
             )
         members = [*group.ranks, *group.workers.values()]
         ranks = (
-            await group.collect_stacks(members, native_timeout=native_stacks.INTERACTIVE_TIMEOUT)
+            await group.collect_stacks(members, descendants=True, native_timeout=native_stacks.INTERACTIVE_TIMEOUT)
             if native
-            else await group.request_stacks(members)
+            else await group.request_stacks(members, descendants=True)
         )
         log.info(
             "run %s: %s attempt %d: stacks requested from %d ranks",

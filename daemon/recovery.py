@@ -118,7 +118,7 @@ class Recovery:
                     ],
                     f"recording the re-adopted ranks of run {a['run_id']}",
                 )
-            if unstarted and a.get("cancel_reason") is None and not a.get("stuck_json"):
+            if unstarted and intent.stop_of(a) is None and not a.get("stuck_json"):
                 self._finish_spawn(group, unstarted, run, cfg)
             self.groups[a["id"]] = group
             intent.resume(self, group, a)

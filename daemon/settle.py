@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from eyas.state import contract, specs, store
 from eyas.state.contract import ErrorRecord
 
-from . import diskfull, failures, watchdog
+from . import diskfull, failures, intent, watchdog
 from .failures import who
 from .group import Group
 from .ranks import RankExit, read_json
@@ -172,6 +172,8 @@ def _written(core, group: Group, future, what: str) -> None:
         return
     exc = future.exception()
     if exc is None:
+        if group.cancel_reason is not None:  # its stop intent, if any, is in the record now
+            intent.clear_stop(group.dir)
         core._settled(group)
         return
     now = time.time()

@@ -164,14 +164,12 @@ class Writer:
         thread.join(timeout)
         return not thread.is_alive()
 
-    def busy_text(self, what: str) -> str:
-        """The refusal of `what` while another process holds the database locked."""
+    def busy_text(self, what: str, then: str = "try again once the lock is released") -> str:
+        """The refusal of `what` while another process holds the database locked; `then`, what
+        to do about it."""
         busy = self.busy
         since = f" for {time.time() - busy.since:.1f} s" if busy else ""
-        return (
-            f"store busy: another process holds the database locked{since}; {what} was not done "
-            f"(try again once the lock is released)"
-        )
+        return f"store busy: another process holds the database locked{since}; {what} was not done ({then})"
 
     # -- the thread's side ----------------------------------------------------------------
 

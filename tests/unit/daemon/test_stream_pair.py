@@ -11,7 +11,7 @@ import pytest
 from eyas.daemon.core import Core
 from eyas.daemon.group import Group
 from eyas.daemon.ranks import Rank, RankExit
-from eyas.state import specs, store
+from eyas.state import contract, specs, store
 
 STAGES = ["prepare", "extract", "vocab", "train"]
 
@@ -165,3 +165,28 @@ async def test_the_watchdogs_finding_on_one_half_tears_the_other_down(tmp_path):
     core2._end_sibling(h["extract"])
     await asyncio.sleep(0.1)
     assert h["train"].cancel_reason is None
+
+
+async def test_a_stop_during_a_scheduling_pass_stops_at_once_and_the_half_started_after_it_too(tmp_path):
+    """The scheduler holds its lock while it spawns a pair: a stop then signals the live half
+    at once, without waiting for the pass, and the half the pass starts after it is stopped
+    once the pass is over, so that the pair still stops as one."""
+    core, db, run_id = _core(tmp_path)
+    g = _live_pair(core, db, run_id, tmp_path)
+    train = core.groups.pop(g["train"].attempt_id)  # the pass has spawned extract, not train yet
+    await core._decide.acquire()
+    reply = await asyncio.wait_for(core.op_stop(run_id), 2.0)
+    assert reply == {"run_id": run_id, "stage": "extract", "stopping": True, "recorded": True}
+    assert g["extract"].cancel_reason == "stopped by the user" and g["extract"].teardown_since is not None
+    assert db["attempts"].get(g["extract"].attempt_id)["cancel_reason"] == "stopped by the user"
+    # Recorded in the store: the intent file beside the attempt has done its job.
+    assert not (g["extract"].dir / contract.STOP_INTENT).exists()
+    core.groups[train.attempt_id] = train  # the pass spawns train, then ends
+    core._decide.release()
+    for _ in range(40):
+        if train.cancel_reason:
+            break
+        await asyncio.sleep(0.05)
+    assert train.cancel_reason == "stopped by the user"
+    await core.store.drain()
+    assert db["attempts"].get(train.attempt_id)["cancel_reason"] == "stopped by the user"
