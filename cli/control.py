@@ -42,7 +42,18 @@ def submit(args) -> int:
 
 def stop(args) -> int:
     r = _request("stop", run=args.run, **({"stage": args.stage} if args.stage else {}))
-    print(f"run {r['run_id']}: {'stopping' if r['stopping'] else 'stopped'} {r['stage'] or ''}".rstrip())
+    said = f"run {r['run_id']}: {'stopping' if r['stopping'] else 'stopped'} {r['stage'] or ''}".rstrip()
+    if r.get("recorded") is False:  # signalled, durable beside the attempt, not in eyas.db yet
+        busy, full = r.get("store_busy"), r.get("full")
+        if busy:
+            held = max(0.0, time.time() - busy["since"])
+            why = f"another process has held eyas.db locked for {held:.0f} s, so the stop is recorded once the store is free"
+        elif full:
+            why = f"the state directory is full ({full['what']}), so the stop is recorded once there is space"
+        else:
+            why = "the stop is being recorded"
+        said += f": its ranks signalled; {why}"
+    print(said)
     return 0
 
 

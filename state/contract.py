@@ -17,7 +17,8 @@ An attempt's directory, `<state>/runs/<id>/<stage>/attempt-<n>/`, holds per rank
 - `rank-<r>.split.json`      how far the daemon split a vLLM driver's log by TP worker
 and per TP worker k of a vLLM driver: `tp-<k>.proc.json` (its registration), `tp-<k>.log`,
 `tp-<k>.error.json`, `tp-<k>.progress.jsonl`, with `driver.log` holding the driver's own
-lines; and `summary.json`, the stage's figures, written by rank 0 last.
+lines; and `summary.json`, the stage's figures, written by rank 0 last. The daemon's own file there
+is `stop.json`: a stop it signalled before eyas.db could record it (daemon/intent.py).
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ CHILDREN = "children.json"  # the selftest stage's record of the processes it st
 KINDS = (LOG, CUT, PROC, PROGRESS, ERROR, DONE, EXIT, SPLIT, CHILDREN)
 
 SUMMARY = "summary.json"
+# A stop the daemon signalled before the store could record it (daemon/intent.py): the reason
+# and time, read back by a restarted daemon like attempts.cancel_reason, removed once recorded.
+STOP_INTENT = "stop.json"
 DRIVER_LOG = "driver.log"  # a vLLM driver's own lines, split from its TP workers' (daemon/logsplit.py)
 PROGRESS_GLOB = f"*.{PROGRESS}"
 TP_PROC_GLOB = f"tp-*.{PROC}"
