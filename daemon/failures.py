@@ -19,6 +19,7 @@ The rules, in order:
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eyas.state import contract, procs
@@ -193,33 +194,81 @@ def ordered(group: Group, host: str, stuck: ErrorRecord | None) -> list[tuple[Ra
 
 
 def as_recorded(core, group: Group, ex: RankExit | None, rec: ErrorRecord) -> ErrorRecord:
-    """One failure's error record as it is written; a rank whose exit or error file is missing
-    because the state directory was full is named for that, not as a plain exit code or a lost
-    rank. Decided at each try: the settlement's own write may be what shows the disk full."""
-    if (
-        ex is None
-        or ex.tp_rank is not None
-        or ex.error is not None
-        or ex.signal is not None
-        or not _was_full(core, group)
-    ):
+    """One failure's error record as it is written. A rank that raised because a disk was full
+    is named for that (ENOSPC), with the file it could not write and its own traceback; a rank
+    whose records are missing because the state directory was full says exactly that, never a
+    plain exit code or a lost rank. Decided at each try: the settlement's own write may be what
+    shows the disk full."""
+    if ex is None or ex.signal is not None:
         return rec
-    missing = [
-        name
-        for name in (contract.rank_file(ex.rank, contract.EXIT), contract.rank_file(ex.rank, contract.ERROR))
-        if not (group.dir / name).exists()
-    ]
+    if ex.error is not None:
+        full = _full_in(ex.error)
+        return rec if full is None else _full_exception(core, ex, rec, full)
+    if ex.tp_rank is not None or not _was_full(core, group):
+        return rec
+    return _records_missing(core, group, ex, rec)
+
+
+# An OSError's text, where the record has no `disk_full` of the rank runtime's
+# (workers/runtime/fulldisk.py): a vLLM TP worker's error file, an older rank's.
+_FULL_TEXT = re.compile(r"\[Errno (28|122)\] (?:No space left on device|Disk quota exceeded)(?:: '(.+)')?")
+
+
+def _full_in(error: dict) -> dict | None:
+    """{"errno", "file" (None: not named)} when a rank's exception says a disk was full."""
+    full = error.get("disk_full")
+    if isinstance(full, dict):
+        return {"errno": str(full.get("errno") or "ENOSPC"), "file": full.get("file") or None}
+    last = (error.get("traceback") or "").rstrip().rpartition("\n")[2]
+    for text in (str(error.get("message") or ""), last):
+        m = _FULL_TEXT.search(text)
+        if m:
+            return {"errno": "EDQUOT" if m.group(1) == "122" else "ENOSPC", "file": m.group(2)}
+    return None
+
+
+def _full_exception(core, ex: RankExit, rec: ErrorRecord, full: dict) -> ErrorRecord:
+    """The record of a rank that raised on a full disk: the file it was writing when the disk
+    refused (the rank runtime names it: its log, a progress or record file, a shard), and its
+    own traceback, which its error file kept (the rank writes it into blocks held from its
+    start: workers/runtime/fulldisk.py), never the log's tail."""
+    name, file = full["errno"], full["file"]
+    what = f"{name} while writing {file}" if file else f"{name} while writing a file its exception does not name"
+    if file and _under(file, core.home):
+        what += f" (the state directory {core.home} was full)"
+    raised = f"{rec.type}: {rec.message}" if rec.message else rec.type
+    return rec.replace(type=name, source="disk_full", message=f"{what}; {who(ex)} (pid {rec.pid}) raised {raised}")
+
+
+def _records_missing(core, group: Group, ex: RankExit, rec: ErrorRecord) -> ErrorRecord:
+    """A rank that ended on a full state directory and left no error file (it could not write
+    one, or did not raise) or no exit record: said as such. Its own error is not known, so
+    the record points at its log (whose tail stands as the traceback), not at a missing file."""
+    exit_name = contract.rank_file(ex.rank, contract.EXIT)
+    error_name = contract.rank_file(ex.rank, contract.ERROR)
+    missing = [n for n in (exit_name, error_name) if not (group.dir / n).exists()]
     if not missing:
         return rec
     how = f"exited with code {ex.exit_code}" if ex.exit_code is not None else "ended"
+    lost = {
+        exit_name: f"its exit record ({exit_name}) could not be written",
+        error_name: f"no error file ({error_name}) was written, so its own error, if it raised one, is not known",
+    }
+    log_path = group.rank_of(ex.rank).log_path
     return rec.replace(
         type="ENOSPC",
         source="disk_full",
-        path=str(group.dir / missing[0]),
-        message=f"ENOSPC while writing {' and '.join(missing)}: the state directory {core.home} "
-        f"was full (no space left on device); rank {ex.rank} (pid {ex.pid}) {how}",
-        traceback=rec.traceback or log_tail(group.rank_of(ex.rank).log_path),
+        path=str(log_path),
+        message=f"rank {ex.rank} (pid {ex.pid}) {how} while the state directory {core.home} was full "
+        f"(no space left on device): {'; '.join(lost[n] for n in missing)}",
+        traceback=rec.traceback or log_tail(log_path),
     )
+
+
+def _under(file: str, home) -> bool:
+    # As spelt, without a look at the disk (this runs on the event loop): the rank's paths are
+    # made from the attempt directory the daemon gave it, under the home as the daemon spells it.
+    return home is not None and Path(file).is_relative_to(home)
 
 
 def _was_full(core, group: Group) -> bool:

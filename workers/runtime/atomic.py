@@ -73,9 +73,13 @@ def atomic_path(path: str | os.PathLike[str], replace=os.replace) -> Iterator[Pa
         finally:
             os.close(fd)
         replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.filename is None:
+            # os.write and os.fsync name no file: say which one could not be written (on a
+            # full disk, the root cause names it: workers/runtime/fulldisk.py).
+            exc.filename = str(path)
         raise
     _fsync_dir(path.parent)
 

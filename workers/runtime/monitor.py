@@ -10,6 +10,7 @@ It must start fast: stdlib + psutil only.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -24,9 +25,19 @@ import psutil
 
 from eyas.state import contract
 from eyas.state.logcut import MIB, Bound
-from eyas.workers.runtime import atomic
+from eyas.workers.runtime import atomic, fulldisk
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+EXIT_RESERVE = 4096  # an exit record is a few hundred bytes
+
+
+def _say(text: str, stream=None) -> None:
+    """One line to the log that never raises: on a full disk it is lost, and the monitor goes
+    on to write the exit record, which has its own blocks."""
+    try:
+        print(text, file=stream or sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 def _signal_name(number: int) -> str:
@@ -147,6 +158,9 @@ def main() -> int:
     # Handlers go in before the spawn, so a signal in between is not lost.
     for sig in FORWARDED:
         signal.signal(sig, forwarder)
+    # The exit record's blocks, taken before the rank can fill the disk (fulldisk.py).
+    exit_reserve = fulldisk.Reserve(file(contract.EXIT), EXIT_RESERVE)
+    exit_reserve.hold()
     try:
         proc = subprocess.Popen([sys.executable, "-m", "eyas.workers.runtime.rank"], stdin=subprocess.DEVNULL)
     except OSError as exc:
@@ -159,8 +173,9 @@ def main() -> int:
             stage=os.environ.get(contract.STAGE),
             attempt=runtime.int_or_none(os.environ.get(contract.ATTEMPT)),
         )
+        exit_reserve.release()  # no rank, no exit record: the error file is the record
         runtime.write_error(file(contract.ERROR), record)
-        print(f"eyas: rank {rank}: could not start the rank runtime: {exc}", file=sys.stderr, flush=True)
+        _say(f"eyas: rank {rank}: could not start the rank runtime: {exc}")
         return 1
     forwarder.attach(proc)
     try:
@@ -189,7 +204,7 @@ def main() -> int:
         )
     except (OSError, psutil.Error) as exc:
         # Keep supervising: the exit file is still worth having.
-        print(f"eyas: rank {rank}: could not write {file(contract.PROC).name}: {exc}", file=sys.stderr, flush=True)
+        _say(f"eyas: rank {rank}: could not write {file(contract.PROC).name}: {exc}")
 
     # os.waitpid rather than proc.wait(): only the raw status tells a core dump. It is
     # retried on EINTR (PEP 475), so forwarded signals do not end the wait.
@@ -199,13 +214,15 @@ def main() -> int:
     record = exit_record(proc.pid, status)
     if forwarder.pidfd is not None:
         os.close(forwarder.pidfd)
+    # The rank's error-file blocks, left by a rank that was killed before it could give them back.
+    fulldisk.Reserve(file(contract.ERROR)).release()
     if record["signal"] is not None:
         core = " (core dumped)" if record["core_dumped"] else ""
-        print(f"eyas: rank {rank} (pid {proc.pid}) was killed by {record['signal_name']}{core}", flush=True)
+        _say(f"eyas: rank {rank} (pid {proc.pid}) was killed by {record['signal_name']}{core}", sys.stdout)
     try:
-        atomic.write_json(file(contract.EXIT), record)
+        exit_reserve.write((json.dumps(record, indent=1) + "\n").encode("utf-8"))
     except OSError as exc:
-        print(f"eyas: rank {rank}: could not write {file(contract.EXIT).name}: {exc}", file=sys.stderr, flush=True)
+        _say(f"eyas: rank {rank}: could not write {file(contract.EXIT).name}: {exc}")
     if record["signal"] is not None:
         return 128 + record["signal"]
     return record["exit_code"]

@@ -114,7 +114,11 @@ class ProgressWriter:
         with self._lock:
             if self._fd is None:
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            os.write(self._fd, line)  # one write: whole lines for readers (O_APPEND)
+            try:
+                os.write(self._fd, line)  # one write: whole lines for readers (O_APPEND)
+            except OSError as exc:
+                exc.filename = self.path  # os.write names no file; a full disk's root cause does
+                raise
 
     def close(self) -> None:
         """Write the last pending update and close the file; later updates reopen it."""

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.state import contract
-from eyas.workers.runtime import atomic
+from eyas.workers.runtime import atomic, fulldisk
 from eyas.workers.runtime.progress import ProgressWriter
 
 log = logging.getLogger("eyas.runtime")
@@ -147,7 +147,7 @@ def error_record(exc: BaseException, *, rank: int | None, stage: str | None, att
     # An exception that carries the failure it stands for (a vLLM TP worker's, read back from
     # its error file by the driver: workers/vllm/tpfailure.py) is recorded as that failure.
     own = getattr(exc, "eyas_record", None) or {}
-    return {
+    record = {
         "type": own.get("type") or type_name(exc),
         "message": own.get("message", message),
         "traceback": own.get("traceback") or "".join(traceback.format_exception(exc)),  # chained causes included
@@ -159,21 +159,48 @@ def error_record(exc: BaseException, *, rank: int | None, stage: str | None, att
         "stage": stage,
         "attempt": attempt,
     }
+    full = own.get("disk_full") if own else fulldisk.disk_full(exc)
+    if full is not None:  # the file it could not write, for the root cause (daemon/failures.py)
+        record["disk_full"] = full
+    return record
 
 
-def write_error(path: Path, record: dict[str, Any]) -> None:
-    """Write the error file; if even that fails, say so in the log instead of crashing."""
+def write_error(path: Path, record: dict[str, Any], reserve: fulldisk.Reserve | None = None) -> None:
+    """Write the error file, through `reserve`'s blocks when the rank holds them (a full disk
+    then still gets the whole record, its traceback cut to the reserve's size only if it must);
+    if even that fails, say so in the log instead of crashing."""
+    reserve = reserve or fulldisk.Reserve(path)  # held by nobody: an ordinary atomic write
     try:
-        atomic.write_json(path, record)
-    except BaseException as exc:  # noqa: BLE001 - reporting must never raise
+        data = _error_json(record)
         try:
-            print(
-                f"eyas: could not write {path}: {exc!r}; the error was {record['type']}: {record['message']}",
-                file=sys.stderr,
-                flush=True,
-            )
-        except BaseException:  # noqa: BLE001
-            pass
+            reserve.write(data)
+        except OSError as exc:
+            if fulldisk.disk_full(exc) is None or len(data) <= reserve.size:
+                raise
+            reserve.write(_error_json(record, reserve.size))
+    except BaseException as exc:  # noqa: BLE001 - reporting must never raise
+        say(f"eyas: could not write {path}: {exc!r}; the error was {record['type']}: {record['message']}")
+
+
+def _error_json(record: dict[str, Any], limit: int | None = None) -> bytes:
+    """The error file's bytes (as atomic.write_json writes them); with `limit`, at most that
+    many, the traceback's head cut first: its end holds the exception and the frame that raised."""
+    data = (json.dumps(record, indent=1) + "\n").encode("utf-8")
+    tb = record.get("traceback") or ""
+    keep = len(tb)
+    while limit is not None and len(data) > limit and keep > 0:
+        keep = max(0, keep - (len(data) - limit) - 128)  # 128: the note that says so
+        cut = f"[the first {len(tb) - keep} characters of this traceback were cut to fit the disk's last space]\n"
+        data = (json.dumps({**record, "traceback": cut + tb[len(tb) - keep :]}, indent=1) + "\n").encode("utf-8")
+    return data
+
+
+def say(text: str) -> None:
+    """One line to the log (stderr) that never raises: on a full disk it is lost, not fatal."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 def _exit_code(exc: BaseException) -> int:
@@ -183,10 +210,17 @@ def _exit_code(exc: BaseException) -> int:
 
 
 def main(env: dict[str, str] | None = None) -> int:
+    environ = dict(os.environ if env is None else env)
+    reserve = None
+    if environ.get(contract.ATTEMPT_DIR):
+        # Before the stage can fill the disk: a failed write to the log names it, and the error
+        # file's blocks are taken now, so its record lands even then (fulldisk.py says why).
+        fulldisk.name_log_streams(rank_file(environ, contract.LOG))
+        reserve = fulldisk.Reserve(rank_file(environ, contract.ERROR))
+        reserve.hold()
     faulthandler.enable(file=sys.stderr, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format=LOG_FORMAT)
-    environ = dict(os.environ if env is None else env)
     rank = int_or_none(environ.get(contract.RANK))
     ctx: RankContext | None = None
     try:
@@ -206,16 +240,16 @@ def main(env: dict[str, str] | None = None) -> int:
                 exc, rank=rank, stage=environ.get(contract.STAGE), attempt=int_or_none(environ.get(contract.ATTEMPT))
             )
         if attempt_dir:
-            write_error(rank_file(environ, contract.ERROR), record)
+            write_error(rank_file(environ, contract.ERROR), record, reserve)
         # Only after the file exists: whoever reads the log's traceback finds the record too.
-        print(record["traceback"], end="", file=sys.stderr, flush=True)
+        say(record["traceback"].rstrip("\n"))
         return _exit_code(exc)
     finally:
         if ctx is not None and ctx.progress is not None:
             try:
                 ctx.progress.close()  # the final update always lands
             except OSError as exc:
-                print(f"eyas: could not write progress: {exc}", file=sys.stderr, flush=True)
+                say(f"eyas: could not write progress: {exc}")
 
 
 def rank_file(environ, kind: str) -> Path:
@@ -246,11 +280,14 @@ def exit_rank(code: int) -> None:
     """
     environ = os.environ
     if environ.get(contract.ATTEMPT_DIR):
+        # The error file's blocks, if the stage ended without needing them: given back first,
+        # so that on a full disk the done record has them.
+        fulldisk.Reserve(rank_file(environ, contract.ERROR)).release()
         path = rank_file(environ, contract.DONE)
         try:
             atomic.write_json(path, {"pid": os.getpid(), "time": time.time(), "exit_code": code})
         except OSError as exc:
-            print(f"eyas: could not write {path}: {exc}", file=sys.stderr, flush=True)
+            say(f"eyas: could not write {path}: {exc}")
     finalize = environ.get(contract.RANK_FINALIZE) == "1"
     log.info(
         "rank done: exit code %d%s", code, "; finalising the interpreter (EYAS_RANK_FINALIZE=1)" if finalize else ""

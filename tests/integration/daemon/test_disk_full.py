@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -101,8 +102,9 @@ def test_a_full_state_directory_fails_the_attempt_with_enospc_and_starts_nothing
         state_while_full = d.run(run_id)["stages"][0]["attempt_list"][0]["state"]
         freed = time.monotonic()
         filler.unlink()
-        for log in attempt_dir.glob("rank-*.log"):
-            log.unlink()
+        logs = sorted(str(log) for log in attempt_dir.glob("rank-*.log"))
+        for log in logs:
+            os.unlink(log)
         run = d.wait_run(run_id, ("failed",), timeout=60)
         recorded = time.monotonic() - freed
         wait_for(lambda: _status(d)["full"] is None, 30, what="the condition to clear")
@@ -114,11 +116,26 @@ def test_a_full_state_directory_fails_the_attempt_with_enospc_and_starts_nothing
         (attempt,) = stage["attempt_list"]  # max_restarts = 0: nothing unrequested started
         root = attempt["root_cause"]
         assert (stage["state"], attempt["state"]) == ("failed", "failed")
-        assert root["type"] == "ENOSPC" and root["message"].startswith("ENOSPC while writing rank-"), root
+        # The file the rank could not write (its log: stdout, which the flood filled), and its own
+        # traceback as it raised it: the writer's frame and the OSError, not the log's last lines.
+        log = str(attempt_dir / f"rank-{root['rank']}.log")
+        oserror = f"OSError: [Errno 28] No space left on device: '{log}'"
+        assert log in logs, (log, logs)  # a file that was there, not a record that never was
+        assert (root["type"], root["source"]) == ("ENOSPC", "disk_full"), root
+        assert root["message"] == (
+            f"ENOSPC while writing {log} (the state directory {small_home} was full); rank {root['rank']} "
+            f"(pid {root['pid']}) raised {oserror}"
+        ), root
+        assert root["path"] == str(attempt_dir / f"rank-{root['rank']}.error.json") and os.path.exists(root["path"])
+        tb = root["traceback"]
+        assert tb.startswith("Traceback (most recent call last):\n") and tb.rstrip("\n").endswith(oserror), tb
+        assert re.search(r'selftest\.py", line \d+, in _flood\n\s+sys\.stdout\.write\(', tb), tb
+        assert not re.search(r"^r\d line \d+", tb, re.M), tb
         assert "ENOSPC" in attempt["reason"] or "No space left" in attempt["reason"], attempt["reason"]
         errors = d.cli("errors", run_id)
         assert errors.returncode == 0 and ("ENOSPC" in errors.stdout or "No space left" in errors.stdout), errors
         assert "Lost" not in errors.stdout
+        assert not re.search(r"^\s*r\d line \d+", errors.stdout, re.M), errors.stdout  # no rank's flood
         time.sleep(2.0)
         assert len(d.run(run_id)["stages"][0]["attempt_list"]) == 1
 

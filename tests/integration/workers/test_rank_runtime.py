@@ -75,7 +75,8 @@ def test_success_records_pids_progress_exit_and_result(start_rank):
     assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO eyas\.selftest: step 10/10$", log, re.M)
     assert log.count("eyas.selftest: step ") == 10
     assert "eyas.runtime: rank 0/1: stage selftest, attempt 1" in log
-    assert not list(r.attempt_dir.glob(".*.tmp"))  # atomic writes left no temp files
+    # Atomic writes left no temp files, and the records' reserved blocks were given back.
+    assert sorted(p.name for p in r.attempt_dir.glob(".*")) == []
 
 
 @pytest.mark.parametrize(
@@ -136,6 +137,7 @@ def test_sigkill_is_named_by_the_monitor(start_rank):
     }
     assert not r.file("error.json").exists()
     assert f"eyas: rank 0 (pid {pid}) was killed by SIGKILL\n" in r.log()
+    assert sorted(p.name for p in r.attempt_dir.glob(".*")) == []  # the killed rank's reserve is given back
 
 
 def _no_core():

@@ -4,6 +4,7 @@ full" leaves nothing half-written and the group in memory, and the retry records
 from __future__ import annotations
 
 import errno
+import json
 import sqlite3
 import time
 from types import SimpleNamespace
@@ -83,11 +84,77 @@ async def test_a_settlement_that_hits_a_full_disk_is_kept_whole_and_retried(tmp_
     assert group.attempt_id not in core.groups
     attempt = db["attempts"].get(group.attempt_id)
     assert attempt["state"] == "failed"
-    root = db.execute("SELECT type, message FROM errors WHERE root_cause = 1").fetchone()
-    # The rank's exit and error files are missing while the disk was full: that is the cause.
-    assert root[0] == "ENOSPC" and root[1].startswith("ENOSPC while writing rank-0.exit.json and rank-0.error.json")
+    root = db.execute("SELECT type, message, path, source FROM errors WHERE root_cause = 1").fetchone()
+    # The rank's exit and error files are missing while the disk was full: that is the cause, said
+    # as such; the record points at the rank's log, never at a missing file as if it were its error's.
+    assert root == (
+        "ENOSPC",
+        f"rank 0 (pid 4242) exited with code 1 while the state directory {tmp_path} was full (no space left on "
+        "device): its exit record (rank-0.exit.json) could not be written; no error file (rank-0.error.json) was "
+        "written, so its own error, if it raised one, is not known",
+        str(group.dir / "rank-0.log"),
+        "disk_full",
+    )
     assert db.execute("SELECT count(*) FROM errors").fetchone()[0] == 1
     assert store.stage_row(db, run_id, "selftest")["state"] == "failed"
+
+
+TRACEBACK = (
+    "Traceback (most recent call last):\n"
+    '  File "/eyas/workers/stages/selftest.py", line 191, in _flood\n'
+    "    sys.stdout.write(text)\n"
+    "OSError: [Errno 28] No space left on device: '{log}'\n"
+)
+
+
+def _raised_on_a_full_disk(group, log: str, **error) -> None:
+    """The rank raised OSError ENOSPC writing `log`, and its error file says so (as
+    workers/runtime/rank.py writes it; the daemon read it back into the exit)."""
+    rank = group.ranks[0]
+    rank.exit.error = {
+        "type": "OSError",
+        "message": f"[Errno 28] No space left on device: '{log}'",
+        "traceback": TRACEBACK.format(log=log),
+        "pid": 4242,
+        "time": rank.exit.time - 0.01,
+        **error,
+    }
+    (group.dir / "rank-0.error.json").write_text(json.dumps(rank.exit.error))
+    (group.dir / "rank-0.log").write_text("".join(f"r0 line {n}\n" for n in range(100)))  # the flood
+
+
+async def test_a_rank_that_raised_on_a_full_disk_names_the_file_and_keeps_its_own_traceback(tmp_path):
+    core, db, run_id, group = _core_with_an_ended_group(tmp_path)
+    log = str(group.dir / "rank-0.log")
+    _raised_on_a_full_disk(group, log, disk_full={"errno": "ENOSPC", "file": log})
+    core.supervise()
+    await core.store.drain()
+    root = db.execute("SELECT type, message, traceback, path, source FROM errors WHERE root_cause = 1").fetchone()
+    assert root == (
+        "ENOSPC",
+        f"ENOSPC while writing {log} (the state directory {tmp_path} was full); rank 0 (pid 4242) raised OSError: "
+        f"[Errno 28] No space left on device: '{log}'",
+        TRACEBACK.format(log=log),  # its own, never the log's flood
+        str(group.dir / "rank-0.error.json"),
+        "disk_full",
+    )
+
+
+async def test_a_full_disk_elsewhere_is_named_from_the_exception_alone(tmp_path):
+    """A record without the runtime's disk_full (a vLLM TP worker's, an older rank's): the file
+    is read from the OSError's text; it lies outside the state directory, which is not blamed."""
+    core, db, run_id, group = _core_with_an_ended_group(tmp_path)
+    shard = "/data/out/extract/hidden_states/hs_7.safetensors"
+    _raised_on_a_full_disk(group, shard)
+    core.supervise()
+    await core.store.drain()
+    root = db.execute("SELECT type, message, traceback FROM errors WHERE root_cause = 1").fetchone()
+    assert root == (
+        "ENOSPC",
+        f"ENOSPC while writing {shard}; rank 0 (pid 4242) raised OSError: [Errno 28] No space left on device: "
+        f"'{shard}'",
+        TRACEBACK.format(log=shard),
+    )
 
 
 async def test_a_restart_is_recorded_with_its_due_time(tmp_path):
