@@ -180,6 +180,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    except PermissionError as exc:
+        from eyas.state import paths
+
+        if not isinstance(exc, paths.UnsafeRuntimeDir):
+            raise
+        # A planted link or another user's folder where the socket would be: its path and the fix.
+        print(f"eyas {args.command}: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:
         damaged = _damaged_store(exc)
         if damaged is None:

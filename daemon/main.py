@@ -179,7 +179,7 @@ def run(home: Path, grace: float, to_stderr: bool) -> int:
     setup_logging(home, to_stderr)
     try:
         asyncio.run(serve(home, grace))
-    except store.DatabaseDamaged as exc:
+    except (store.DatabaseDamaged, paths.UnsafeRuntimeDir) as exc:
         # One line with the file and the fix, not a traceback: nothing here can repair it.
         # daemon.log gets it too, except in the foreground, where the log also goes to
         # stderr and would print it twice.

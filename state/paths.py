@@ -9,6 +9,7 @@ and neither "one daemon per state directory" nor "a client finds the daemon" may
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -105,26 +106,87 @@ def record_path(base: Path | None = None) -> Path:
     return (base or state_dir()) / "daemon.json"
 
 
+class UnsafeRuntimeDir(PermissionError):
+    """A directory eyas would keep its socket in is not a private directory of ours."""
+
+
+def _refuse(path: Path, why: str, fix: str) -> UnsafeRuntimeDir:
+    return UnsafeRuntimeDir(f"{path} {why}; eyas keeps its socket only in a 0700 directory of its own: {fix}")
+
+
 def _private_dir(path: Path, create: bool = True) -> Path:
-    """Create `path` as a 0700 directory owned by us, or refuse one that is not ours.
+    """Create `path` as a 0700 directory owned by us, or refuse whatever else is there.
+
+    Never through a link: under /tmp anyone can plant a symlink at our name, and a stat()
+    that followed it would let them aim our mkdir, and an older eyas's chmod, at any directory
+    we own (/usr, for root). So the directory is opened with O_NOFOLLOW | O_DIRECTORY and
+    judged by fstat on that descriptor: a link or anything not a directory, a directory of
+    another uid, or one with any group or other bit is refused with its path, what is wrong
+    and the fix.
+
+    A wider directory of ours is refused, not tightened: eyas makes these 0700 and never widens
+    them, so someone else did, and whoever could write in it meanwhile may have left a socket or
+    a link inside that a chmod would not take back. Only a directory made by this very call is
+    chmod-ed (fchmod on its descriptor), to 0700 whatever the umask let mkdir give it.
 
     Never with parents: a missing $XDG_RUNTIME_DIR must stay missing (see _runtime_root).
-    With create=False (clients) nothing is made or changed, but a directory of another user
-    is still refused: whoever owns it could put their own socket there.
+    With create=False (clients) nothing is made or changed, and a missing directory is no
+    error, but anything there is judged the same: whoever else could write in it could
+    put their own socket there.
     """
+    made = False
     if create:
-        path.mkdir(mode=0o700, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+            made = True
+        except FileExistsError:
+            pass
     try:
-        st = path.stat()
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         if create:
             raise
         return path
-    if st.st_uid != os.getuid():
-        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to us ({os.getuid()})")
-    if create and stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700)
+    except OSError as exc:  # ELOOP: a link (O_NOFOLLOW); ENOTDIR: a file, a socket, ...
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        raise _refuse(path, _what_is_there(path), f"remove it (rm {path}) and start again") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid():
+            raise _refuse(
+                path,
+                f"belongs to uid {st.st_uid}, not to us ({os.getuid()})",
+                f"have it removed (as root: rm -r {path}), or set XDG_RUNTIME_DIR to a private directory",
+            )
+        mode = stat.S_IMODE(st.st_mode)
+        if made:
+            if mode != 0o700:
+                os.fchmod(fd, 0o700)
+        elif mode & 0o077:
+            raise _refuse(
+                path,
+                f"is mode {mode:04o}, not 0700, and eyas did not make it so",
+                f"remove it (rm -r {path}), or if it is yours to keep, chmod 700 {path}",
+            )
+    finally:
+        os.close(fd)
     return path
+
+
+def _what_is_there(path: Path) -> str:
+    """What stands at `path` instead of a directory, for the refusal."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return "is not a directory"
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            return f"is a symbolic link to {os.readlink(path)}, not a directory"
+        except OSError:
+            return "is a symbolic link, not a directory"
+    kind = "a regular file" if stat.S_ISREG(st.st_mode) else "not a directory"
+    return f"is {kind} of uid {st.st_uid}, not a directory"
 
 
 def _runtime_root() -> Path:
