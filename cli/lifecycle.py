@@ -7,6 +7,7 @@ a daemon serving from another runtime directory than this shell computes is stil
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -44,10 +45,13 @@ def start(args) -> int:
     running = _ping()
     if running:
         return _already(running, home)
-    home.mkdir(parents=True, exist_ok=True)
+    # Owner-only, as the daemon keeps its state (state/privacy.py); this process keeps the
+    # user's umask, which the daemon inherits and hands on to the outputs of their own output_dir.
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
     # Detach: a new session, no terminal, nothing inherited from this shell. Early crashes
     # (before logging is set up) land in daemon.out.
-    with open(home / "daemon.out", "ab") as out:
+    out_fd = os.open(home / "daemon.out", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with open(out_fd, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "eyas.daemon.main", "--home", str(home), "--grace", str(args.grace)],
             stdin=subprocess.DEVNULL,

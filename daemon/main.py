@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-from eyas.state import paths, store
+from eyas.state import paths, privacy, store
 
 from .core import Core
 from .logtail import LogTail
@@ -169,14 +169,31 @@ async def serve(home: Path, grace: float) -> None:
         log.info("eyas daemon %s stopped", os.getpid())
 
 
+def state_files(home: Path) -> list[Path]:
+    """The state directory and what eyas names in it, the run folders' parent included: what
+    the daemon makes owner-only at start-up in a state directory an older eyas made with the
+    user's umask. Not recursive: an old run folder is out of reach behind runs/ once that is
+    0700, and walking every file of every run (hidden states by the thousand) would slow each start."""
+    db = paths.db_path(home)
+    names = [db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm"), paths.lock_path(home)]
+    names += [paths.record_path(home), home / "daemon.out", paths.runs_dir(home), home / "daemon.log"]
+    names += [home / f"daemon.log.{n}" for n in range(1, LOG_BACKUPS + 1)]
+    return [Path(os.path.realpath(home)), *names]
+
+
 def run(home: Path, grace: float, to_stderr: bool) -> int:
-    home.mkdir(parents=True, exist_ok=True)
+    # Before anything is made: the state is owner-only, and so is whatever the ranks this daemon
+    # starts write, but for the outputs of a run whose output_dir the user chose (state/privacy.py).
+    privacy.go_private()
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
         lock = acquire_lock(home)
     except AlreadyRunning as exc:
         print(f"eyas daemon: {exc}", file=sys.stderr)
         return 1
     setup_logging(home, to_stderr)
+    for line in privacy.tighten(state_files(home)):
+        log.warning("made owner-only (it holds prompts, data paths and tracebacks): %s", line)
     try:
         asyncio.run(serve(home, grace))
     except (store.DatabaseDamaged, paths.UnsafeRuntimeDir) as exc:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyas.state import contract, paths, specs, store
+from eyas.state import contract, paths, privacy, specs, store
 
 from . import diskfull
 from .group import Group
@@ -204,7 +204,7 @@ class Scheduler:
         run_dir = paths.run_dir(run, self.home)
         attempt_dir = paths.unused(run_dir / stage / f"attempt-{number}")
         output_dir = Path(run["output_dir"] or run_dir / "out")
-        output_dir.mkdir(parents=True, exist_ok=True)
+        privacy.make_output_dir(output_dir, run_dir)  # the user's umask in a folder they chose
         # The run's, the stage's and the attempt's start in one transaction, before any spawn.
         if run["state"] == "pending":
             self._move_run(run_id, "running", f"starting {stage}")

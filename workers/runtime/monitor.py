@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from eyas.state import contract
+from eyas.state import contract, privacy
 from eyas.state.logcut import MIB, Bound
 from eyas.workers.runtime import atomic, fulldisk
 
@@ -140,6 +140,9 @@ class LogBound(threading.Thread):
 
 
 def main() -> int:
+    # Its files (proc, exit, the log's cut marks) are owner-only whoever started it; the rank
+    # picks its own umask (rank.py), the user's only for a run whose output_dir they chose.
+    os.umask(privacy.OWNER_ONLY)
     raw = os.environ.get(contract.RANK) or "0"
     rank = int(raw) if raw.isdigit() else 0
     if not os.environ.get(contract.ATTEMPT_DIR):

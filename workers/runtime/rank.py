@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eyas.state import contract
+from eyas.state import contract, privacy
 from eyas.workers.runtime import atomic, fulldisk
 from eyas.workers.runtime.progress import ProgressWriter
 
@@ -222,14 +222,23 @@ def main(env: dict[str, str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format=LOG_FORMAT)
     rank = int_or_none(environ.get(contract.RANK))
+    # While the stage runs, what it writes is owner-only, but for a run whose output_dir the
+    # user chose: the stage runs with the user's umask then, so a team can read the draft; the
+    # attempt's records stay 0600 and what else the stage adds to its folder is behind that
+    # folder's 0700 (state/privacy.py).
+    umask = privacy.rank_umask(environ)
+    os.umask(umask)
     ctx: RankContext | None = None
     try:
         ctx = context_from_env(environ)
+        if umask != privacy.OWNER_ONLY:
+            owner_only(ctx.file(contract.PROGRESS))
         entry = resolve_entry(ctx.stage)
         log.info("rank %d/%d: stage %s, attempt %d", ctx.rank, ctx.world_size, ctx.stage, ctx.attempt)
         entry(ctx)
         return 0
     except BaseException as exc:  # noqa: BLE001 - the point is to record everything
+        os.umask(privacy.OWNER_ONLY)  # the stage is over: its error record is a traceback
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             return 0
         attempt_dir = environ.get(contract.ATTEMPT_DIR)
@@ -250,6 +259,12 @@ def main(env: dict[str, str] | None = None) -> int:
                 ctx.progress.close()  # the final update always lands
             except OSError as exc:
                 say(f"eyas: could not write progress: {exc}")
+
+
+def owner_only(path: Path) -> None:
+    """Create `path` empty and 0600 where nothing is: a file that exists keeps its mode when
+    opened again, so the progress the stage appends to it stays owner-only under any umask."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600))
 
 
 def rank_file(environ, kind: str) -> Path:
@@ -279,6 +294,7 @@ def exit_rank(code: int) -> None:
     destructor; the daemon's straggler rule (stages.<name>.exit_timeout) still bounds it.
     """
     environ = os.environ
+    os.umask(privacy.OWNER_ONLY)  # whatever the stage ran with: the done record is the attempt's
     if environ.get(contract.ATTEMPT_DIR):
         # The error file's blocks, if the stage ended without needing them: given back first,
         # so that on a full disk the done record has them.

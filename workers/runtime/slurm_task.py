@@ -11,6 +11,8 @@ SIGUSR1 is set to be ignored before the exec: `eyas stacks` reaches Slurm ranks 
 `scancel --signal=USR1`, which signals every process of the job's steps, the monitor and a
 runtime that has not registered its stack dump yet included; an ignored signal's disposition
 survives exec, so neither dies of it, and the runtime's faulthandler replaces it once registered.
+Its umask is 077, which the exec'd monitor keeps: the log and the monitor's records are
+owner-only, as a local rank's are (state/privacy.py).
 Stdlib and state/ only: it runs once per task, before anything else.
 """
 
@@ -20,10 +22,13 @@ import os
 import signal
 import sys
 
-from eyas.state import contract, slurm
+from eyas.state import contract, privacy, slurm
 
 
 def main() -> int:
+    # Owner-only, as the daemon's own processes are (state/privacy.py): Slurm starts the task
+    # with the umask sbatch saw, which need not be the daemon's; the monitor exec'd below keeps it.
+    os.umask(privacy.OWNER_ONLY)
     try:
         task = slurm.task_from_environ(os.environ)
         env = slurm.rank_env(task)
@@ -37,7 +42,7 @@ def main() -> int:
     try:
         # Exclusively, as the daemon makes a local rank's log: a task started twice into one
         # attempt (a requeue eyas did not ask for) must not write into the first one's files.
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
     except OSError as exc:
         print(f"eyas: rank {task.rank}: cannot create its log {log_path}: {exc}", file=sys.stderr, flush=True)
         return 2
