@@ -75,6 +75,19 @@ MODELS = {
     ),
 }
 H200 = 150_000_000_000
+# A tiny Llama-shaped target with 2 attention heads (and 2 KV heads): tensor parallel 3 fits
+# nothing. Its vocabulary is write_run's draft's, so that every pipeline validates.
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "num_hidden_layers": 4,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 32000,
+}
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +116,29 @@ def make_model(root: Path, kind: str, tokenizer: Path, template: bool = True, to
     for f in tokenizer.iterdir():
         if template or f.name != "chat_template.jinja":
             shutil.copy(f, path / f.name)
+    return path
+
+
+def make_weightless(root: Path, tokenizer: Path | None, weights: str = "none", cfg: dict | None = None) -> Path:
+    """A target folder `root/tiny` with config.json (TINY unless `cfg`), the tokenizer's files
+    and, by `weights`: "none", no weight file; "index", a safetensors index naming two shards,
+    the second missing; "bin", only a pickled pytorch_model.bin (empty: nothing opens it);
+    "complete", the index and both shards (empty)."""
+    path = root / "tiny"
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(cfg or TINY))
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    if weights in ("index", "complete"):
+        index = {"metadata": {"total_size": 4_000_000}, "weight_map": {"a.weight": shards[0], "b.weight": shards[1]}}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+        for s in shards if weights == "complete" else shards[:1]:
+            (path / s).touch()
+    elif weights == "bin":
+        (path / "pytorch_model.bin").touch()
+    elif weights != "none":
+        raise ValueError(f"weights={weights!r}: use none, index, bin or complete")
+    for f in tokenizer.iterdir() if tokenizer else ():
+        shutil.copy(f, path / f.name)
     return path
 
 
