@@ -2,7 +2,9 @@
 start` from a process with the permissive umask 022, runs real selftest ranks, and nothing it,
 its monitors or its ranks made in the state directory has a group or other bit; the outputs of
 a run whose output_dir the user chose keep that umask; and a state directory an older eyas
-left world-readable is made owner-only at start-up."""
+left world-readable is made owner-only at start-up. A Slurm attempt (a real one-node cluster,
+tests/support/slurm_world.py) is held to the same rule: its batch script, job record, Slurm's
+output file and the tasks' logs and records."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import stat
 from pathlib import Path
 
 import pytest
+import slurm_world
 from daemon_harness import Daemon, selftest_toml, short_tmp
 from runtoml import run_toml
 
@@ -172,3 +175,32 @@ def test_a_state_directory_left_world_readable_is_made_owner_only_at_start(world
     assert run_dir.parent == d.home / "runs"
     offenders = [line for line in shared(d) if not line.startswith((str(old_run), str(notes)))]
     assert not offenders, "group or other bits in the state directory:\n" + "\n".join(offenders)
+
+
+def test_a_slurm_attempt_is_owner_only_too(world):
+    reason = slurm_world.slurm_unavailable()
+    if reason:
+        pytest.skip(reason)
+    d, elsewhere = world
+    with slurm_world.running() as cluster:
+        d.extra_env = {"SLURM_CONF": str(cluster.conf), slurm_world.MARK: str(cluster.root)}
+        start(d)
+        try:
+            toml = run_toml(
+                "slurm",
+                ["selftest"],
+                resources={"ranks": 2, "devices": "cpu", "executor": "slurm"},
+                stages={
+                    "selftest": {"max_restarts": 0, "stall_timeout": 0, "options": {"steps": 3, "step_time": 0.05}}
+                },
+            )
+            run_id = submit(d, elsewhere, toml, "slurm")
+            d.wait_succeeded(run_id, timeout=120)
+            attempt = Path(d.run(run_id)["dir"]) / "selftest" / "attempt-1"
+            made = sorted(p.name for p in attempt.iterdir())
+            assert {"job.sbatch", "slurm-job.json", "rank-0.log", "rank-1.log", "rank-1.exit.json"} <= set(made), made
+            assert any(n.startswith("slurm-") and n.endswith(".out") for n in made), made
+            offenders = shared(d)
+            assert not offenders, "group or other bits in the state directory:\n" + "\n".join(offenders)
+        finally:
+            d.cli("daemon", "stop")
