@@ -46,7 +46,11 @@ class InitError(Exception):
 # holds the rest to what the doctor prints for a file init wrote.
 DOCTOR_CHECKS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("data", ("rows",), "each file prepare reads: encoding, binary, over-long rows, the first rows parse"),
-    ("target", ("config.json", "weights", "trust_remote_code"), "shape, safetensors index and shards, custom code"),
+    (
+        "target",
+        ("config.json", "weights", "tensor parallel", "trust_remote_code"),
+        "shape, safetensors index and shards, TP against heads and experts, custom code",
+    ),
     ("layer ids", ("layer ids",), "the ids against the target's depth"),
     (
         "resources",

@@ -4,7 +4,7 @@
 daemon side of eyas never imports torch); the preflight stage (stages/preflight.py) runs the
 same `run_checks`. Checks, cheapest first so a broken install is reported in a second:
 versions (versions.py) -> the data files prepare will read (data.py) ->
-target config, weights index, custom code (target.py) ->
+target config, weights on disk, TP sizes against the heads and experts, custom code (target.py) ->
 layer ids -> GPUs, memory, a streaming run's shared GPUs (streaming.py), disk, output dir (resources.py) ->
 a Slurm run's clients and shared state directory (cluster.py) -> tokenizer and its chat
 template (tokenizer.py) -> adapter fit against the backend's classes (adapter.py).
@@ -97,6 +97,10 @@ def run_checks(
     checks += found
     if facts is None:
         return checks
+    checks.append(target.weights(cfg, facts))
+    tp = target.tensor_parallel(cfg, facts)
+    if tp is not None:
+        checks.append(tp)
     checks.append(target.remote_code(facts, cfg.target.trust_remote_code))
     ids = layer_ids if layer_ids is not None else cfg.extract.layer_ids
     if ids is not None and ("extract" in cfg.pipeline or layer_ids is not None):

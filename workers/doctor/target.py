@@ -1,7 +1,9 @@
-"""The doctor's target checks: config.json, the safetensors index, custom code, layer ids.
+"""The doctor's target checks: config.json, the weights on disk, the TP sizes its shape allows, custom code, layer ids.
 
 Stdlib only: nothing here loads a weight or imports transformers. config.json is read as
-JSON, the language model's keys from text_config when the target wraps one (Kimi-K2.5).
+JSON, the language model's keys from text_config when the target wraps one (Kimi-K2.5). The
+weights and TP checks are state/preload.py's, which `eyas submit` and `eyas validate` run too:
+a failure here reads as their refusal does.
 """
 
 from __future__ import annotations
@@ -11,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eyas.state import preload, tpsizes
+from eyas.state.runconfig import RunConfig
 from eyas.state.target import layer_id_errors, text_value
+from eyas.state.weightfiles import INDEX, SINGLE, WeightFiles, scan
 from eyas.workers.doctor.check import Check, failed, human_bytes, passed, warned
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,8 @@ class TargetFacts:
     num_layers: int | None
     hidden_size: int | None
     vocab_size: int | None
-    weight_bytes: int | None  # from the index's metadata.total_size, or the single file's size
+    weight_bytes: int | None  # from the index's metadata.total_size, else the *.safetensors files' sizes
+    files: WeightFiles | None = None  # the weight files (state/weightfiles.py); None: not listed
 
 
 def _int(v: Any) -> int | None:
@@ -65,8 +68,11 @@ def read(path: str) -> tuple[TargetFacts | None, list[Check]]:
         for k, v in (("architectures", arch), ("num_hidden_layers", n), ("hidden_size", hidden), ("vocab_size", vocab))
         if v is None
     ]
-    weights, index_check = _weights(Path(path))
-    facts = TargetFacts(path, cfg, arch, n, hidden, vocab, weights)
+    try:
+        files = scan(path)
+    except OSError:
+        files = None
+    facts = TargetFacts(path, cfg, arch, n, hidden, vocab, files.size() if files else None, files)
     shape = (
         f"{arch or '?'} ({model_type or 'no model_type'}"
         + (f", text model {text.get('model_type')}" if text and text.get("model_type") else "")
@@ -91,48 +97,66 @@ def read(path: str) -> tuple[TargetFacts | None, list[Check]]:
         )
     else:
         out.append(passed("target", "config.json", shape, **data))
-    out.append(index_check)
     return facts, out
 
 
-def _weights(path: Path) -> tuple[int | None, Check]:
-    index = path / INDEX
-    if index.exists():
-        try:
-            data = json.loads(index.read_text(encoding="utf-8"))
-            total = data["metadata"]["total_size"]
-            shards = sorted(set(data["weight_map"].values()))
-            if not _int(total):
-                raise ValueError(f"metadata.total_size is {total!r}")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            return None, failed(
-                "target",
-                "weights",
-                f"{index}: unusable ({type(exc).__name__}: {exc})",
-                "restore the checkpoint's original model.safetensors.index.json",
-            )
-        absent = [s for s in shards if not (path / s).exists()]
-        detail = f"{human_bytes(total)} in {len(shards)} shard{'s' if len(shards) != 1 else ''} ({INDEX})"
-        if absent:
-            return total, warned(
-                "target",
-                "weights",
-                f"{detail}; {len(absent)} shard(s) missing, e.g. {absent[0]}",
-                "finish downloading the checkpoint (every file the index names)",
-                bytes=total,
-                shards=len(shards),
-                missing=len(absent),
-            )
-        return total, passed("target", "weights", detail, bytes=total, shards=len(shards), missing=0)
-    single = path / SINGLE
-    if single.exists():
-        size = single.stat().st_size
-        return size, passed("target", "weights", f"{human_bytes(size)} in {SINGLE}", bytes=size, shards=1, missing=0)
-    return None, warned(
+def weights(cfg: RunConfig, facts: TargetFacts) -> Check:
+    """The weights on disk against the stages that load them (state/preload.py's rule and words)."""
+    files = facts.files
+    if files is None:
+        return failed("target", "weights", f"{facts.path}: cannot be listed", "point target.path at a model directory")
+    problem = preload.weights_problem(cfg, files)
+    data = {"bytes": files.size(), "shards": len(files.shards) or len(files.safetensors), "missing": len(files.missing)}
+    if problem is not None:
+        return failed("target", "weights", problem.detail, problem.fix, **data)
+    if not files.complete or not files.safetensors:
+        dummy = [ld.stage for ld in preload.loaders(cfg)]
+        why = (
+            f'{" and ".join(dummy)} run{"s" if len(dummy) == 1 else ""} on dummy weights (load_format = "dummy")'
+            if dummy
+            else "no stage of the pipeline loads them"
+        )
+        return passed(
+            "target", "weights", f"no complete safetensors weights in {facts.path}; not needed: {why}", **data
+        )
+    size = files.size()
+    amount = human_bytes(size) if size else "size unknown"
+    if files.has_index:
+        n = len(files.shards)
+        detail = f"{amount} in {n} shard{'s' if n != 1 else ''} ({INDEX})"
+    elif files.safetensors == (SINGLE,):
+        detail = f"{amount} in {SINGLE}"
+    else:
+        detail = f"{amount} in {len(files.safetensors)} *.safetensors files (no {INDEX})"
+    return passed("target", "weights", detail, **data)
+
+
+def tensor_parallel(cfg: RunConfig, facts: TargetFacts) -> Check | None:
+    """The run's vLLM TP sizes against the target's heads, KV heads and experts (state/tpsizes.py's
+    rules, state/preload.py's words); None when no stage runs vLLM."""
+    settings = preload.tp_settings(cfg)
+    if not settings:
+        return None
+    problems = preload.tp_problems(cfg, facts.config)
+    if problems:
+        return failed(
+            "target",
+            "tensor parallel",
+            "; ".join(p.detail for p in problems),
+            "; ".join(p.fix for p in problems),
+            sizes={s.key: s.size for s in settings},
+        )
+    told: dict[int, list[str]] = {}
+    for s in settings:
+        told.setdefault(s.size, []).append(s.key)
+    found = {rule.key: rule.value for s in settings for rule in tpsizes.rules(facts.config, s.expert_parallel)}
+    shape = ", ".join(f"{k} = {v}" for k, v in found.items()) or "no head or expert count in config.json"
+    sizes = "; ".join(f"{' and '.join(keys)} {size}" for size, keys in told.items())
+    return passed(
         "target",
-        "weights",
-        f"no {INDEX} nor {SINGLE} in {path}: the weights' size is unknown",
-        "point target.path at a safetensors checkpoint (memory needs are then checked too)",
+        "tensor parallel",
+        f"{sizes} fit{'s' if len(settings) == 1 else ''} {shape}",
+        sizes={s.key: s.size for s in settings},
     )
 
 

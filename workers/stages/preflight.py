@@ -4,7 +4,10 @@ Config validation puts it first in every pipeline that reads the target (state/r
 `preflight = false` turns it off). It runs the same checks as `eyas doctor` (doctor/main.py: run_checks)
 on the run's resolved config and output folder, logs the table, writes the report as the
 stage's summary.json, and raises on any failed check, naming each with its fix, so the run
-stops before any rank group loads a weight.
+stops before any rank group loads a weight. Among them are those `eyas submit` refuses a run
+for (state/preload.py: weights missing for a stage that loads them, a TP size the target's
+heads or experts do not allow), so a run that reached the daemon another way (a client of the
+socket, a target changed since) fails here, in seconds, not in extract or in vLLM's start.
 
 When the checks pass and the run extracts (`extract.canary`, on by default), it then runs the
 canary (workers/canary/run.py): the run's own extraction path on a shrunken, dummy-weight copy

@@ -74,6 +74,7 @@ def test_kimi_shaped_target_on_eight_h200s(tmp_path, monkeypatch, tokenizer_file
             for k in (
                 "target: config.json",
                 "target: weights",
+                "target: tensor parallel",
                 "target: trust_remote_code",
                 "layer ids",
                 "resources: gpus",
@@ -94,6 +95,12 @@ def test_kimi_shaped_target_on_eight_h200s(tmp_path, monkeypatch, tokenizer_file
         "KimiK25ForConditionalGeneration (kimi_k25, text model deepseek_v3): 61 layers, hidden 7168, vocab 163840"
     )
     assert c["target: weights"].data == {"bytes": 595_000_000_000, "shards": 64, "missing": 0}
+    # Kimi's language model is DeepSeek-V3's (MLA: no KV heads to split); TP 8 splits each of its
+    # 384 experts' 2048 wide MLP (state/tpsizes.py).
+    assert c["target: tensor parallel"].detail == (
+        "extract.tensor_parallel_size and evaluate.tensor_parallel_size 8 fit num_attention_heads = 128, "
+        "moe_intermediate_size = 2048"
+    )
     assert c["target: trust_remote_code"].detail == (
         "set; config.json auto_map (AutoConfig, AutoModel, AutoModelForCausalLM) names custom code in "
         "configuration_kimi_k25.py, modeling_kimi_k25.py"
@@ -678,7 +685,7 @@ def test_eyas_doctor_prints_json_and_exits_0(tmp_path, tokenizer_files):
     report = json.loads(proc.stdout)
     assert report["verdict"] == "pass"
     assert report["config"] == str(tmp_path / "run.toml")
-    assert len(report["checks"]) == 20 and {c["verdict"] for c in report["checks"]} == {"pass"}
+    assert len(report["checks"]) == 21 and {c["verdict"] for c in report["checks"]} == {"pass"}
     assert [c for c in report["checks"] if c["group"] == "layer ids"][0]["data"] == {
         "ids": [2, 30, 58, 61],
         "num_layers": 61,
@@ -707,7 +714,7 @@ def test_eyas_doctor_prints_a_table_with_fixes_and_exits_1(tmp_path, tokenizer_f
     assert f"{'':33}fix: use ids from 0 to 32 (32 is the final pre-norm output)" in lines
     assert f"FAIL  {'tokenizer: chat template':25}  the tokenizer has no chat template" in lines
     assert f"PASS  {'resources: gpus':25}  no GPU visible (NVML reports no device): CPU mode" in lines
-    assert lines[-1] == "fail: 18 passed, 0 warned, 2 failed"
+    assert lines[-1] == "fail: 19 passed, 0 warned, 2 failed"
 
 
 def test_preflight_goes_first_in_every_run_that_reads_a_target(tmp_path, monkeypatch):
