@@ -1,13 +1,16 @@
 """`eyas validate CONFIG`: check a run config without submitting it.
 
 Prints what the run would do (pipeline, layer ids and what they mean, ranks per stage), or
-every mistake on stderr with exit code 2. Needs no daemon, and no torch.
+every mistake on stderr with exit code 2: the config's own (state/runconfig.py), then what
+`eyas submit` refuses of its target (state/preload.py: weights on disk, TP against its shape).
+Needs no daemon, and no torch.
 """
 
 from __future__ import annotations
 
 import sys
 
+from eyas.state.preload import lines, loaders
 from eyas.state.runconfig import ConfigError, RunConfig, load, stage_world_size
 from eyas.state.target import num_hidden_layers
 
@@ -32,7 +35,10 @@ def summary(cfg: RunConfig) -> list[str]:
         rows.append(("data", f"{cfg.data.path} ({cfg.data.format}, max_length {cfg.data.max_length})"))
     if "extract" in cfg.pipeline:
         ex = cfg.extract
-        rows.append(("extract", f"{ex.backend}, tensor parallel {ex.tensor_parallel_size}, batch {ex.batch_size}"))
+        dummy = ", dummy weights" if any(ld.stage == "extract" and ld.dummy for ld in loaders(cfg)) else ""
+        rows.append(
+            ("extract", f"{ex.backend}, tensor parallel {ex.tensor_parallel_size}, batch {ex.batch_size}{dummy}")
+        )
     if cfg.extract.layer_ids is not None:
         ids = cfg.extract.layer_ids
         rows.append(("layer ids", ", ".join(f"{i} ({layer_meaning(i, n)})" if n is not None else str(i) for i in ids)))
@@ -61,6 +67,12 @@ def command(args) -> int:
         cfg = load(args.config)
     except ConfigError as exc:
         for line in exc.errors:
+            print(line, file=sys.stderr)
+        return 2
+    # What `eyas submit` refuses of the target too: its weights on disk, TP against its shape.
+    refused = lines(cfg, str(args.config))
+    if refused:
+        for line in refused:
             print(line, file=sys.stderr)
         return 2
     print(f"{args.config}: valid")

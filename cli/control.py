@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+from eyas.state import preload
 from eyas.state import runconfig as run_config
 from eyas.wire.client import Client, DaemonError, DaemonNotRunning
 
@@ -24,11 +25,17 @@ def _request(op: str, **args):
 
 def submit(args) -> int:
     path = Path(args.config)
-    # Validate here first: a mistake is reported even when the daemon is down.
+    # Validate here first: a mistake is reported even when the daemon is down. Then what can be
+    # refused of the target without loading it (weights on disk, TP against its heads and
+    # experts: state/preload.py), before the daemon creates anything.
     try:
-        run_config.load(path)
+        cfg = run_config.load(path)
     except run_config.ConfigError as exc:
         print("\n".join(exc.errors), file=sys.stderr)
+        return 2
+    refused = preload.lines(cfg, str(path))
+    if refused:
+        print("\n".join(refused), file=sys.stderr)
         return 2
     result = _request("submit", config_path=str(path.absolute()))
     run_id = result["run_id"]

@@ -612,6 +612,8 @@ def test_eyas_validate_reports_every_mistake_and_exits_2(tmp_path):
 
 def test_eyas_validate_accepts_the_demo_example(tmp_path):
     make_target(tmp_path / "tiny", layers=4, vocab=512)
+    # The demo's target has its weights (eyas validate refuses a target without any, state/preload.py).
+    (tmp_path / "tiny" / "model.safetensors").touch()
     (tmp_path / "chat.jsonl").write_text("")
     point_example(
         "demo.toml",
