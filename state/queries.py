@@ -317,9 +317,14 @@ def stream_window(db, run_id: int) -> dict[str, Any] | None:
         ).fetchone()
         if row and (now is None or row[0] > now[0]):
             now = row
+    # The peak is the window's ledger's own (workers/extract/stream.py: Ledger), which every
+    # sample carries as window_peak_bytes and extract's summary reports: the largest of the
+    # sampled window_bytes misses the moments between samples. Runs recorded before the
+    # ledger kept it have only those samples.
+    peaks = per_rank("extract", "window_peak_bytes") or per_rank("extract", "window_bytes")
     out: dict[str, Any] = {
         "budget": max(budgets),
-        "peak": max(per_rank("extract", "window_bytes"), default=None),
+        "peak": max(peaks, default=None),
         "bytes": now[1] if now else None,
     }
     # Counts are cumulative per rank and attempt: each (attempt, rank)'s last value, summed.

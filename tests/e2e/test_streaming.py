@@ -25,7 +25,7 @@ import pytest
 from daemon_harness import private_daemon, wait_for
 from stream_world import DiskSampler, hs_bytes
 
-from eyas.state import specs
+from eyas.state import display, specs
 
 pytestmark = pytest.mark.slow
 
@@ -279,7 +279,16 @@ def test_a_dataset_that_fits_the_budget_is_kept_and_read_again(daemon, assets):
     assert tr["streaming"] == "keep" and tr["shards_freed"] == 0
     per = ledger(out)
     assert sorted(per) == [0, 1] and all(c == Counter(train_rows(out)) for c in per.values())
-    assert "kept: the whole dataset (" in daemon.cli("show", run_id).stdout  # its size, then "fits"
+    shown = daemon.cli("show", run_id).stdout
+    assert "kept: the whole dataset (" in shown  # its size, then "fits"
+    # One peak: the summary's is the window's ledger's, and so is eyas show's. Nothing is freed in
+    # keep mode, so it is every shard on disk.
+    shards = sum(p.stat().st_size for p in (out / "extract" / "hidden_states").glob("hs_*.safetensors"))
+    peak, budget = ex["window_peak_bytes"], run["window"]["budget"]
+    assert peak == run["window"]["peak"] == shards, (peak, run["window"], shards)
+    assert f"{display.size(peak)} ({peak / budget:.0%}) at most" in shown, shown
+    # No bookkeeping of batches in flight is left after success.
+    assert sorted(p.name for p in (out / "extract" / "stream").glob("inflight-*")) == []
 
 
 @pytest.mark.timeout(900)

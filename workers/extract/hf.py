@@ -111,7 +111,9 @@ def _stream(ctx, settings: Settings, target, layer_ids, dataset, lengths, hs_dir
         "streaming": st.mode,
         "window_budget_bytes": st.budget,
         "dataset_bytes": st.dataset_bytes,
-        "window_peak_bytes": prod.peak,  # as rank 0 measured it before each batch
+        # The ledger's peak, read after the all_reduce above (every rank's shards have landed) and
+        # published as the metric `eyas show` reads: one number in both (stream.Ledger says why).
+        "window_peak_bytes": prod.peak(),
         "extract_waits": totals[5],
         "extract_wait_s": totals[6] / 1000,
         "start": list(start),

@@ -90,7 +90,6 @@ class Producer:
         self.in_flight: list[tuple[int, int, int, int]] = []  # (pos, end, bytes, files written when done)
         self.waits = 0  # times this rank waited for room in the window
         self.wait_s = 0.0
-        self.peak = 0  # the largest window on disk this rank measured
         self.over = 0  # batches let over the budget (a budget below one step)
         self.started = hswriter.process_start_time()
         self.stream_dir = st.extract_dir / stream.STREAM_DIR
@@ -150,7 +149,6 @@ class Producer:
             if i not in busy and not (self.st.dir_for(self.items[i][0]) / hswriter.file_name(self.items[i][1])).exists()
         )
         disk = self.ledger.total()  # we hold the lock: exact, and no listing of the window
-        self.peak = max(self.peak, disk)
         used = disk + sum(n for _, _, n in flights)
         return used + earlier + est <= self.st.budget
 
@@ -199,19 +197,35 @@ class Producer:
         self.writer.put(job)
 
     def metrics(self) -> dict:
+        total, _, peak = self.ledger.figures()
         return {
-            "window_bytes": self.ledger.total(),
+            "window_bytes": total,
+            # The ledger's own peak (stream.Ledger says why), never the largest of these samples:
+            # `eyas show` takes the largest of this metric, the summary the last (peak()).
+            "window_peak_bytes": peak,
             "window_budget": self.st.budget,
             "extract_waits": self.waits,
             "extract_wait_s": round(self.wait_s, 3),
         }
 
     def close(self) -> None:
+        """The walk is over and every file it made has landed: nothing of this rank is in
+        flight, so its in-flight record goes. A failed walk (abort) leaves it, as a kill would;
+        the retry's rank rewrites it as it starts, and clear_leftovers removes those of ranks
+        the retry does not have."""
         if self.writer is not None:
             self.writer.close()
             self.written += self.writer.written
             self.writer = None
-        self._publish()
+        self.in_flight = []
+        self.mine.unlink(missing_ok=True)
+
+    def peak(self) -> int:
+        """The window's peak for the stage's summary, once every rank's files have landed,
+        published as the progress metric too: `eyas show` and the summary say the same number."""
+        peak = self.ledger.peak()
+        self.ctx.progress.update(window_peak_bytes=peak, force=True)
+        return peak
 
     def abort(self) -> None:
         if self.writer is not None:

@@ -44,7 +44,7 @@ PLAN = "plan.json"
 TRAINER = "trainer.json"
 DONE = "done.json"
 LOCK = "window.lock"
-LEDGER = "window.json"  # the window's bytes and files, a running count (Ledger)
+LEDGER = "window.json"  # the window's bytes and files, a running count, and its peak (Ledger)
 WINDOW_DIR = "window"
 HS_DIR = "hidden_states"
 POLL_S = 0.05
@@ -211,53 +211,70 @@ class Ledger:
     A rebuild under the lock is exact whatever else runs: it replaces the count, it does not
     add to it. The file is rewritten whole (temp + rename) but not fsynced: after a power loss
     the rebuild makes it right again.
+
+    The window's peak, the largest the count has been over every attempt of the run, is kept
+    beside it, and is the one figure of it that extract's summary and `eyas show` report. The
+    window is at its largest just after a shard lands, and only this count sees every landing:
+    extract's own look before each admission misses what lands after it (the last batches
+    above all), and the daemon's samples of the progress lines miss what happens between them.
+    Shards in flight (temp files) are not in it, as they are not in the count.
     """
 
     def __init__(self, extract_dir: Path):
         self.extract_dir = Path(extract_dir)
         self.path = self.extract_dir / STREAM_DIR / LEDGER
 
-    def read(self) -> tuple[int, int]:
-        """(bytes, files) as last written; safe without the lock, the file is replaced whole."""
+    def figures(self) -> tuple[int, int, int]:
+        """(bytes, files, peak bytes) as last written; safe without the lock, the file is replaced whole."""
         try:
             d = json.loads(self.path.read_text())
-            return int(d["bytes"]), int(d["files"])
+            total = int(d["bytes"])
+            return total, int(d["files"]), max(total, int(d.get("peak", 0)))
         except (FileNotFoundError, ValueError, KeyError, TypeError):
-            return 0, 0
+            return 0, 0, 0
+
+    def read(self) -> tuple[int, int]:
+        """(bytes, files) as last written."""
+        return self.figures()[:2]
 
     def total(self) -> int:
-        return self.read()[0]
+        return self.figures()[0]
 
-    def _write(self, total: int, files: int) -> None:
+    def peak(self) -> int:
+        """The most bytes the window has held at once, over every attempt of the run."""
+        return self.figures()[2]
+
+    def _write(self, total: int, files: int, peak: int) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"bytes": total, "files": files}))
+        tmp.write_text(json.dumps({"bytes": total, "files": files, "peak": max(peak, total)}))
         os.replace(tmp, self.path)
 
     def rebuild(self, st: Stream) -> int:
-        """Count what is on disk now (once, as an attempt starts); returns the bytes."""
+        """Count what is on disk now (once, as an attempt starts); returns the bytes. The peak
+        of the attempts before stays (or is what is on disk, if that is more)."""
         with locked(self.extract_dir):
             total, files = st.scan_bytes()
-            self._write(total, files)
+            self._write(total, files, self.peak())
         return total
 
     def replace(self, tmp: Path, final: Path) -> None:
         """Move a written shard to its final name and count it (atomic.atomic_path's `replace`)."""
         with locked(self.extract_dir):
-            total, files = self.read()
+            total, files, peak = self.figures()
             size = os.stat(tmp).st_size
             try:  # written again over an older copy (never in a healthy run): that copy goes
                 total, files = total - os.stat(final).st_size, files - 1
             except FileNotFoundError:
                 pass
             os.replace(tmp, final)
-            self._write(total + size, files + 1)
+            self._write(total + size, files + 1, peak)
 
     def free(self, paths) -> int:
         """Delete these shards (those that exist) and uncount them; returns how many."""
         freed = 0
         with locked(self.extract_dir):
-            total, files = self.read()
+            total, files, peak = self.figures()
             for path in paths:
                 try:
                     size = os.stat(path).st_size
@@ -266,7 +283,7 @@ class Ledger:
                     continue
                 total, files, freed = total - size, files - 1, freed + 1
             if freed:
-                self._write(total, files)
+                self._write(total, files, peak)
         return freed
 
 

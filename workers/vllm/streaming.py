@@ -91,7 +91,7 @@ def run(ctx, settings, engine, info: TargetInfo, layer_ids, dataset, lengths, st
         "streaming": st.mode,
         "window_budget_bytes": st.budget,
         "dataset_bytes": st.dataset_bytes,
-        "window_peak_bytes": prod.peak,
+        "window_peak_bytes": prod.peak(),  # the ledger's, as `eyas show` reads it (stream.Ledger)
         "extract_waits": prod.waits,
         "extract_wait_s": round(prod.wait_s, 3),
         "start": list(start),

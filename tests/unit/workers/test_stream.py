@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -194,3 +195,50 @@ def test_train_counts_its_wait_for_the_extractors_plan_as_a_wait_on_extract(tmp_
     assert m["train_waits"] == 1 and 0.3 < m["train_wait_s"] < 5, m
     # Restarted after the plan exists: no wait to count.
     assert Feed(ctx, extract, prepare, out, lengths).metrics()["train_waits"] == 0
+
+
+def test_the_ledger_keeps_the_windows_peak_which_the_producer_reports_everywhere(tmp_path):
+    """The peak is the most bytes the window held at once, counted as each shard lands: one a
+    look before each admission misses (the last batch lands after the last look), and the
+    figure both the progress metric and the summary take (producer.peak)."""
+    from eyas.daemon.progressfile import read_new
+
+    one = 100 * 12 + stream.FILE_OVERHEAD
+    st, prod = _producer(tmp_path, budget=10 * one, lengths=[100] * 7)
+    ledger = stream.Ledger(tmp_path)
+    assert prod._fits(0, 1, one)  # a look before the admission: nothing on disk yet
+    for epoch, row in [(None, 0), (0, 1), (0, 2)]:
+        _shard(st, epoch, row, one)
+    assert ledger.figures() == (3 * one, 3, 3 * one)
+    # Train frees step 0: the window shrinks, its peak stays.
+    assert ledger.free([st.dir_for(0) / hswriter.file_name(r) for r in (1, 2)]) == 2
+    assert ledger.figures() == (one, 1, 3 * one)
+    _shard(st, 0, 3, 2 * one)
+    assert ledger.figures() == (3 * one, 2, 3 * one)
+    _shard(st, 0, 4, one)
+    assert ledger.peak() == 4 * one
+    # A retry's rebuild counts the disk again and keeps the peak of the attempts before it.
+    assert ledger.rebuild(st) == 4 * one and ledger.peak() == 4 * one
+    assert ledger.free([st.dir_for(0) / hswriter.file_name(4)]) == 1 and ledger.rebuild(st) == 3 * one
+    assert ledger.peak() == 4 * one
+    assert prod.metrics()["window_bytes"] == 3 * one and prod.metrics()["window_peak_bytes"] == 4 * one
+    # The summary's figure is the metric's last value: the same number.
+    assert prod.peak() == 4 * one
+    records, _, _ = read_new(tmp_path / "attempt" / "rank-0.progress.jsonl", 0)
+    assert records[-1]["window_peak_bytes"] == 4 * one
+
+
+def test_the_producers_in_flight_record_goes_when_it_finishes_and_stays_when_it_fails(tmp_path):
+    one = 100 * 12 + stream.FILE_OVERHEAD
+    st, prod = _producer(tmp_path, budget=10 * one, lengths=[100] * 7)
+    mine = tmp_path / stream.STREAM_DIR / "inflight-0.json"
+    prod.admit(0, 1, one, 1)
+    assert json.loads(mine.read_text()) == [[0, 1, one]]
+    prod.abort()  # a failed walk: the record stays, as a kill would leave it
+    assert json.loads(mine.read_text()) == [[0, 1, one]]
+    st, prod = _producer(tmp_path, budget=10 * one, lengths=[100] * 7)  # the retry's rank starts afresh
+    assert json.loads(mine.read_text()) == []
+    prod.admit(0, 1, one, 1)
+    _shard(st, None, 0, one)
+    prod.close()
+    assert not mine.exists() and sorted(p.name for p in (tmp_path / stream.STREAM_DIR).glob("inflight-*")) == []
