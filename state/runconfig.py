@@ -38,6 +38,7 @@ Strategy = Literal["ddp", "fsdp"]
 StorageMode = Literal["offline", "streaming"]
 Executor = Literal["local", "slurm"]
 HiddenDtype = Literal["target", "fp8"]
+PhaseKind = Literal["load", "engine_start", "build", "checkpoint", "data", "wait", "other"]  # contract.PHASE_KINDS
 DTYPES: tuple[str, ...] = get_args(Dtype)
 DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
 BACKENDS: tuple[str, ...] = get_args(Backend)
@@ -277,6 +278,10 @@ class StageConfig(Table):
     # alive this long after its own work or its peers ended.
     stall_timeout: float | None = Field(None, ge=0)
     exit_timeout: float | None = Field(None, ge=0)
+    # Seconds a long silent phase of this kind may take at most (daemon/phases.py), over the
+    # budget the rank derives from its work (weight bytes at a floor read rate, and so on);
+    # 0: no budget. Keys: state/contract.py's PHASE_KINDS.
+    phase_budgets: dict[PhaseKind, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
     # Each rank log's bound in MiB (state/logcut.py): past it the middle is cut; 0: unbounded.
     log_max_mb: float = Field(LOG_MAX_MB, ge=0)
     ranks: int | None = Field(None, ge=1)  # None: resources.ranks

@@ -142,6 +142,11 @@ class SelftestOptions(Table):
     fail_attempts: tuple[int, ...] | None = Field(None, strict=False)  # None: on every attempt
     summary_on_fail: bool = False  # rank 0 writes summary.json before it fails (as evaluate does)
     heartbeat_for: float = Field(0.0, ge=0)  # first, this many seconds of silence but for heartbeats
+    # What shows that phase working (workers/stages/selftest.py): "ticks", a counter in its
+    # heartbeats; "child", a child process burning CPU (an engine's stand-in, to be stopped);
+    # "none", nothing (a hung phase whose heartbeat thread still runs).
+    heartbeat_evidence: Literal["ticks", "child", "none"] = "ticks"
+    phase_budget: float | None = Field(None, gt=0)  # that phase's budget in seconds; None: none
     hang_at_end: bool = False  # after its steps, rank fail_rank (-1: all) blocks for ever, writing nothing
     linger_thread: bool = False  # after its work, leave a non-daemon thread that never ends
     ignore_sigterm: bool = False  # a rank that only SIGKILL ends (teardown waits out its grace)

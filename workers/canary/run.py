@@ -32,6 +32,7 @@ from eyas.state.target import default_layer_ids, text_value
 from eyas.workers.canary import samples
 from eyas.workers.canary.shrink import Shrunk, shrink
 from eyas.workers.extract.plan import Settings, plan_batches
+from eyas.workers.runtime import phases
 
 log = logging.getLogger("eyas.canary")
 
@@ -165,7 +166,11 @@ def _run_vllm(settings: Settings, shrunk: Shrunk, target_dir: Path, dataset, len
         os.environ[contract.ATTEMPT_DIR] = str(workdir)
     options = {**(settings.vllm_options or {}), "load_format": "dummy"}
     try:
-        with progress.beating("canary engine start") if progress is not None else contextlib.nullcontext():
+        with (
+            progress.beating("canary engine start", kind="engine_start", budget=phases.engine_budget(None))
+            if progress is not None
+            else contextlib.nullcontext()
+        ):
             engine = backend.Engine.start(
                 target_path=str(target_dir),
                 architecture=arch,

@@ -378,7 +378,7 @@ def measure_all(
         batch = [Child(spec, workdir, env or {}) for spec in specs[first : first + step]]
         labels = ", ".join(child.spec.label for child in batch)
         try:
-            with _beating(progress, f"vllm engine start ({labels})"):
+            with _beating(progress, f"vllm engine start ({labels})", kind="engine_start"):
                 for child in batch:
                     child.wait_ready(deadline)
             if len(batch) > 1:
@@ -395,8 +395,10 @@ def measure_all(
     return results
 
 
-def _beating(progress, phase: str):
-    return progress.beating(phase) if progress is not None else contextlib.nullcontext()
+def _beating(progress, phase: str, **how):
+    # The engines are child processes of this rank: the daemon sees their CPU as the phase's
+    # evidence, and each engine's own start-up timeout bounds it (no budget here).
+    return progress.beating(phase, **how) if progress is not None else contextlib.nullcontext()
 
 
 def measure(spec: Spec, workdir: Path, env: dict[str, str] | None = None, timeout: float | None = None) -> dict:

@@ -17,6 +17,7 @@ from eyas.state.runconfig import default_layer_ids
 from eyas.workers.extract import hswriter
 from eyas.workers.extract.output import HIDDEN_STATES_DIR, TargetInfo, claim_output, finish, identity
 from eyas.workers.extract.plan import Settings, Stats, check_row, load_dataset, plan_batches, resume, row_lengths
+from eyas.workers.runtime import phases
 from eyas.workers.runtime.cpu_share import share_cpus
 
 log = logging.getLogger("eyas.extract")
@@ -43,7 +44,12 @@ def main(ctx, settings: Settings) -> None:
     dist = Dist(ctx, backend="gloo", timeout=timedelta(hours=12))
     done = False
     try:
-        with ctx.progress.beating("load target"):  # minutes for a large model, and silent
+        with ctx.progress.beating(  # minutes for a large model, and silent
+            "load target",
+            kind="load",
+            budget=phases.load_budget(settings.target_path),
+            evidence=phases.io_evidence,
+        ):
             target = hf_target.load(settings.target_path, settings.dtype, settings.trust_remote_code, settings.device)
         n = target.decoder.num_layers
         layer_ids = target.decoder.check_ids(settings.layer_ids or default_layer_ids(n))
@@ -90,7 +96,7 @@ def _stream(ctx, settings: Settings, target, layer_ids, dataset, lengths, hs_dir
         producer.choose_mode(ctx, settings, lengths, per_token)
         producer.write_config_early(settings, target_info(target), layer_ids, lengths, hs_dir)
     else:
-        stream.wait_for(stream.plan_path(settings.out_dir), ctx.progress, "waiting for rank 0's stream plan")
+        stream.wait_for(stream.plan_path(settings.out_dir), ctx.progress, "waiting for rank 0's stream plan")  # a peer
     st = stream.load(settings.out_dir, settings.dataset_dir.parent, ctx.config or {}, lengths)
     if ctx.rank == 0:
         # The window's count, from what a killed attempt left; before the all_reduce below, so

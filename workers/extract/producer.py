@@ -178,7 +178,9 @@ class Producer:
             if t0 is None:
                 t0 = time.monotonic()
                 self.waits += 1
-                beating.enter_context(self.ctx.progress.beating("waiting for room in the window"))
+                beating.enter_context(
+                    self.ctx.progress.beating("waiting for room in the window", kind="wait", waits="train")
+                )
             time.sleep(stream.POLL_S)
         if t0 is not None:
             self.wait_s += time.monotonic() - t0
@@ -267,7 +269,7 @@ def run(ctx, settings, target, layer_ids, dataset, lengths, st: stream.Stream, s
     if not st.keep:
         # Alive until train is done: after a failure of either half both restart, and the
         # extractor is what makes again the shards train freed after its last checkpoint.
-        with ctx.progress.beating("waiting for train to finish"):
+        with ctx.progress.beating("waiting for train to finish", kind="wait", waits="train"):
             while not stream.train_done(st.extract_dir):
                 time.sleep(0.2)
     return prod

@@ -310,13 +310,14 @@ def write_plan(extract_dir: Path, fields: dict[str, Any]) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def wait_for(path: Path, progress, what: str, timeout: float | None = None) -> float:
-    """Poll for `path`, with heartbeats so the daemon's stall rule sees a rank alive and waiting;
-    returns the seconds waited (0.0 when it was there)."""
+def wait_for(path: Path, progress, what: str, timeout: float | None = None, waits: str | None = None) -> float:
+    """Poll for `path`, with heartbeats that say what the rank waits for (`waits`: the streaming
+    sibling that writes it, whose liveness then stands for this rank's; None: a peer of the same
+    group); returns the seconds waited (0.0 when it was there)."""
     if path.exists():
         return 0.0
     t0 = time.monotonic()
-    with progress.beating(what):
+    with progress.beating(what, kind="wait", waits=waits):
         while not path.exists():
             if timeout is not None and time.monotonic() - t0 > timeout:
                 raise TimeoutError(f"{path} did not appear within {timeout:.0f} s ({what})")

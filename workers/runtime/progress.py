@@ -1,8 +1,12 @@
 """Progress lines of one rank: rank-<r>.progress.jsonl, written by the rank, read by the daemon.
 
 Each line is one JSON object: {"time", "samples", "samples_total", "tokens", "tokens_total",
-...metrics}, counts cumulative, or a heartbeat {"time", "heartbeat": phase} that says the rank
-is alive in a long silent phase (a weight load, an engine start) and carries no counts. The
+...metrics}, counts cumulative, or a heartbeat {"time", "heartbeat": phase, "phase": {...}} that
+says which long silent phase the rank is in (a weight load, an engine start) and carries no
+counts, then {"time", "heartbeat": phase, "ended": true} when it is over. A heartbeat is not proof of life: the
+daemon believes a phase alive only while its evidence moves (the "phase" object's `evidence`,
+which the rank measures, and the CPU of the rank's processes, which the daemon does) and while
+it is inside its `budget` (daemon/phases.py). The
 writer appends each line with a single write() on an O_APPEND descriptor, so a reader sees
 whole lines, except for the last one while it is being written or after a crash mid-write;
 the daemon's reader (eyas.daemon.progressfile) leaves such a tail for the next call.
@@ -17,10 +21,13 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 _COUNTS = ("samples", "samples_total", "tokens", "tokens_total")
+# Seconds between heartbeats: a phase's evidence is measured this often, so it must stay well
+# under the smallest stall_timeout a user sets (the tests' are 10 to 30 s).
+BEAT_S = 5.0
 
 
 class ProgressWriter:
@@ -80,34 +87,67 @@ class ProgressWriter:
         self._pending = False
         self._last_write = time.monotonic()
 
-    def heartbeat(self, phase: str) -> None:
-        """Append {"time", "heartbeat": phase}: alive, in `phase`, with nothing to count yet."""
-        self._write({"time": time.time(), "heartbeat": phase})
+    def heartbeat(self, phase: str, detail: dict[str, Any] | None = None) -> None:
+        """Append {"time", "heartbeat": phase, "phase": detail}: in `phase`, with nothing to count."""
+        record: dict[str, Any] = {"time": time.time(), "heartbeat": phase}
+        if detail is not None:
+            record["phase"] = detail  # nested: its numbers are not metrics (daemon/sampler.py)
+        self._write(record)
 
     @contextlib.contextmanager
-    def beating(self, phase: str, every: float = 30.0) -> Iterator[None]:
-        """A heartbeat at entry, then one every `every` seconds from a daemon thread, until the block ends.
+    def beating(
+        self,
+        phase: str,
+        every: float = BEAT_S,
+        *,
+        kind: str = "other",
+        budget: float | None = None,
+        evidence: Callable[[], dict[str, Any]] | None = None,
+        waits: str | None = None,
+    ) -> Iterator[None]:
+        """A heartbeat at entry, then one every `every` seconds from a daemon thread, then an
+        "ended" one, around a phase that writes nothing for minutes.
 
-        For phases that write nothing for minutes, so that the daemon's stall rule and a person
-        reading the file can tell them from a hang. Daemon thread: it must never keep a rank alive.
+        `kind` is one of contract.PHASE_KINDS (what `[stages.<name>] phase_budgets` keys on);
+        `budget` the seconds the phase may take at most, derived from its work
+        (workers/runtime/phases.py), None for none; `evidence()` a small JSON object of counters
+        that move while the phase works (bytes read, files written), measured at each beat;
+        `waits` the stage a wait depends on (a streaming sibling), whose own liveness then
+        stands for this rank's. Daemon thread: it must never keep a rank alive.
         """
-        self.heartbeat(phase)
-        stop = threading.Event()
+        detail: dict[str, Any] = {"kind": kind, "since": time.time()}
+        if budget is not None:
+            detail["budget"] = round(float(budget), 3)
+        if waits is not None:
+            detail["waits"] = waits
 
         def beat() -> None:
+            if evidence is not None:
+                try:
+                    detail["evidence"] = evidence()
+                except Exception as exc:  # evidence is a report: it must never fail the phase
+                    detail["evidence"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+            self.heartbeat(phase, dict(detail))
+
+        beat()
+        stop = threading.Event()
+
+        def run() -> None:
             while not stop.wait(every):
                 try:
-                    self.heartbeat(phase)
+                    beat()
                 except OSError:
                     return  # a full disk must not kill the phase it reports on
 
-        thread = threading.Thread(target=beat, name=f"heartbeat-{phase}", daemon=True)
+        thread = threading.Thread(target=run, name=f"heartbeat-{phase}", daemon=True)
         thread.start()
         try:
             yield
         finally:
             stop.set()
             thread.join()
+            with contextlib.suppress(OSError):
+                self._write({"time": time.time(), "heartbeat": phase, "ended": True})
 
     def _write(self, record: dict[str, Any]) -> None:
         line = (json.dumps(record, default=_jsonable) + "\n").encode("utf-8")

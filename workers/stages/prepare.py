@@ -52,7 +52,7 @@ from eyas.workers.data.reader import (
     row_byte_limit,
 )
 from eyas.workers.data.target_vocab import target_vocab_size
-from eyas.workers.runtime import atomic
+from eyas.workers.runtime import atomic, phases
 
 log = logging.getLogger("eyas.prepare")
 
@@ -74,7 +74,10 @@ def main(ctx) -> None:
     try:
         summary, freq, splits = build(cfg, tmp / "dataset", ctx.progress)
         summary["outputs"] = [str(stage_dir / name) for name in ("dataset", "token_freq.npy", "splits.json")]
-        with ctx.progress.beating("publish dataset"):  # fsyncs every file: minutes on a big one
+        # fsyncs every file: minutes on a big one
+        with ctx.progress.beating(
+            "publish dataset", kind="data", budget=phases.data_budget(tmp), evidence=phases.io_evidence
+        ):
             publish(stage_dir, tmp, freq, splits, summary)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -163,9 +166,12 @@ class _Skips:
         return {r: self.counts[r] for r in SKIP_REASONS if self.counts[r]}
 
 
-def _beating(progress, phase: str):
-    """Heartbeats through `phase` when there is a progress file (tests call build() without one)."""
-    return progress.beating(phase) if progress is not None else contextlib.nullcontext()
+def _beating(progress, phase: str, path):
+    """Heartbeats through `phase`, a pass over the data at `path`, when there is a progress file
+    (tests call build() without one)."""
+    if progress is None:
+        return contextlib.nullcontext()
+    return progress.beating(phase, kind="data", budget=phases.data_budget(path), evidence=phases.io_evidence)
 
 
 def build(cfg: RunConfig, dataset_dir: Path, progress=None) -> tuple[dict[str, Any], np.ndarray, dict[str, Any]]:
@@ -176,7 +182,7 @@ def build(cfg: RunConfig, dataset_dir: Path, progress=None) -> tuple[dict[str, A
     files = data_files(data.path)
     # Rows over this many bytes are skipped unread (too_long): see data/reader.py: row_byte_limit.
     row_bytes = row_byte_limit(data.max_length)
-    with _beating(progress, "count rows"):  # a pass over the whole file: silent on a big one
+    with _beating(progress, "count rows", data.path):  # a pass over the whole file: silent on a big one
         total = count_rows(files, row_bytes)
     log.info(
         "prepare: %d rows in %d file(s) under %s; max_length %d (rows over %d bytes skipped), format %s, limit %s",
@@ -226,7 +232,7 @@ def build(cfg: RunConfig, dataset_dir: Path, progress=None) -> tuple[dict[str, A
             f"data.path: no usable rows in {data.path} ({rows_in} read, skipped: "
             f"{skips.as_dict() or 'none'}); fix the data or its format (see the log for examples)"
         )
-    with _beating(progress, "save dataset"):
+    with _beating(progress, "save dataset", data.path):
         rows.save(dataset_dir)
     validation = validation_rows(rows.rows, data.validation_fraction, cfg.train.seed)
     splits = {

@@ -49,9 +49,7 @@ def main(ctx) -> None:
     tps = opts.tokens_per_step
     ctx.progress.update(samples=start, tokens=start * tps, samples_total=steps, tokens_total=steps * tps, force=True)
     if opts.heartbeat_for > 0:
-        # Beats far more often than a real phase's 30 s, so that tests of the stall rule stay short.
-        with ctx.progress.beating("selftest heartbeat_for", every=1.0):
-            time.sleep(opts.heartbeat_for)
+        _silent_phase(ctx, opts)
 
     lines = 0
     with open(done_path, "a") as done:
@@ -87,6 +85,28 @@ def main(ctx) -> None:
         # Non-daemon: the interpreter's shutdown joins it for ever; only the runtime's os._exit ends the rank.
         threading.Thread(target=threading.Event().wait, name="selftest-linger").start()
         log.info("left a thread that never ends")
+
+
+def _silent_phase(ctx, opts) -> None:
+    """`heartbeat_for` seconds that write nothing but heartbeats, with the evidence chosen by
+    `heartbeat_evidence`; beats far more often than a real phase's, so that tests stay short."""
+    t0 = time.monotonic()
+    ticks = {"ticks": lambda: {"ticks": int((time.monotonic() - t0) * 10)}}.get(opts.heartbeat_evidence)
+    with ctx.progress.beating(
+        "selftest heartbeat_for", every=1.0, kind="load", budget=opts.phase_budget, evidence=ticks
+    ):
+        if opts.heartbeat_evidence != "child":
+            time.sleep(opts.heartbeat_for)
+            return
+        # An engine's stand-in: a child that burns CPU for the phase, named as vLLM names its
+        # EngineCore (argv[0]), which the rank waits for as a driver waits for its engine.
+        code = f"import time\nend = time.time() + {opts.heartbeat_for}\nwhile time.time() < end: pass\n"
+        child = subprocess.Popen(
+            ["selftest::EngineCore", "-c", code], executable=sys.executable, stdin=subprocess.DEVNULL
+        )
+        atomic.write_json(ctx.file(contract.CHILDREN), {"children": [child.pid], "grandchildren": []})
+        if child.wait() != 0:
+            raise RuntimeError(f"the selftest engine child ended with {child.returncode}")
 
 
 def gloo_teardown(ctx, mode: str) -> None:

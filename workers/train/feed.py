@@ -77,7 +77,7 @@ class Feed:
         what = (
             f"waiting for extract: {len(missing)} shards of {'validation' if epoch is None else f'epoch {epoch + 1}'}"
         )
-        with self.progress.beating(what):
+        with self.progress.beating(what, kind="wait", waits="extract"):
             for r in missing:
                 path = directory / hswriter.file_name(r)
                 while not path.exists():

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from eyas.workers.extract import stream
+from eyas.workers.runtime import phases
 from eyas.workers.runtime.cpu_share import share_cpus
 from eyas.workers.runtime.dist import Dist
 from eyas.workers.train import checkpoint
@@ -80,7 +81,12 @@ class Trainer:
 
             all_lengths = [int(n) for n in dataset.with_format(None)["seq_len"]]
             self.feed = Feed(ctx, s.extract_dir, s.prepare_dir, s.out_dir, all_lengths)
-            stream.wait_for(s.extract_dir / "data_config.json", self.progress, "waiting for extract's data_config.json")
+            stream.wait_for(
+                s.extract_dir / "data_config.json",
+                self.progress,
+                "waiting for extract's data_config.json",
+                waits="extract",
+            )
         self.layout = train_data.read_layout(s.extract_dir)
         train_rows, val_rows = train_data.read_splits(s.prepare_dir, len(dataset))
         self.train_rows, self.val_rows = train_rows, val_rows
@@ -291,7 +297,12 @@ class Trainer:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         # Gathering full state dicts and writing them: silent for minutes with a large draft.
-        with self.progress.beating(f"checkpoint {name}"):
+        with self.progress.beating(
+            f"checkpoint {name}",
+            kind="checkpoint",
+            budget=phases.save_budget(3 * sum(p.numel() * p.element_size() for p in self.model.parameters())),
+            evidence=phases.io_evidence,
+        ):  # weights and the optimizer's two moments
             opts = self._state_options()
             msd = get_model_state_dict(self.model, options=opts)  # collective under FSDP
             osd = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
@@ -362,7 +373,9 @@ class Trainer:
         self._data()
         self.identity = s.identity(self.layout, ctx.world_size, self.n_train)
         self.loss_config = resolve_loss_config(s.loss, s.loss_implementation)
-        with self.progress.beating("build draft model"):  # reads the target's embeddings and head
+        with self.progress.beating(  # reads the target's embeddings and head
+            "build draft model", kind="build", budget=phases.load_budget(s.target_path), evidence=phases.io_evidence
+        ):
             self.bare = self._model()
         ckpt, pos = self._resume(self.bare)
         if self.feed is not None:

@@ -60,7 +60,7 @@ from eyas.workers.extract.output import HIDDEN_STATES_DIR, TargetInfo, claim_out
 from eyas.workers.extract.plan import Settings, Stats, check_row, load_dataset, plan_batches, resume, row_lengths
 from eyas.workers.models import hf_target
 from eyas.workers.models.adapters import Decoder
-from eyas.workers.runtime import atomic
+from eyas.workers.runtime import atomic, phases
 from eyas.workers.vllm import streaming, tpfailure
 from eyas.workers.vllm import version as vllm_version
 from eyas.workers.vllm.settings import is_mla, with_cpu_mla_backend, with_native_rotary
@@ -369,7 +369,11 @@ def main(ctx, settings: Settings) -> None:
         per_token = streaming.per_token_bytes(settings, model_cfg, len(layer_ids))
         stream_at = streaming.prepare(ctx, settings, lengths, per_token)
     try:
-        with ctx.progress.beating("vllm engine start"):  # weight load, profiling, compilation: silent minutes
+        with ctx.progress.beating(  # weight load, profiling, compilation: silent minutes
+            "vllm engine start",
+            kind="engine_start",
+            budget=phases.engine_budget(settings.target_path, settings.tensor_parallel_size),
+        ):
             engine = Engine.start(
                 target_path=settings.target_path,
                 architecture=arch,
@@ -456,7 +460,11 @@ def gather(ctx, totals: list[int], steps: dict) -> list[int]:
     if ctx.rank != 0:
         return totals
     want = [ctx.attempt_dir / f"rank-{r}.engine.json" for r in range(ctx.world_size)]
-    with ctx.progress.beating("waiting for the other engines' reports"):
+    with ctx.progress.beating(
+        "waiting for the other engines' reports",
+        kind="wait",
+        evidence=lambda: {"reports": sum(p.exists() for p in want)},
+    ):
         while not all(p.exists() for p in want):
             time.sleep(GATHER_POLL_S)
     reports = [json.loads(p.read_text())["totals"] for p in want]

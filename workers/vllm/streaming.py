@@ -103,6 +103,6 @@ def run(ctx, settings, engine, info: TargetInfo, layer_ids, dataset, lengths, st
     write_summary(ctx, settings, info, layer_ids, stats.totals(), extra)
     # Alive until train is done: after a failure of either half both restart, and the extractor
     # is what makes again the shards train freed after its last checkpoint.
-    with ctx.progress.beating("waiting for train to finish"):
+    with ctx.progress.beating("waiting for train to finish", kind="wait", waits="train"):
         while not stream.train_done(st.extract_dir):
             time.sleep(0.2)

@@ -365,12 +365,22 @@ def test_beating_writes_heartbeats_at_the_interval_and_stops(tmp_path):
     path = tmp_path / "p.jsonl"
     writer = ProgressWriter(path)
     writer.update(samples=1, samples_total=10, tokens=5, tokens_total=50)
-    with writer.beating("load weights", every=0.2):
+    t0 = time.time()
+    reads = iter(range(100))
+    with writer.beating("load weights", every=0.2, kind="load", budget=90.5, evidence=lambda: {"read": next(reads)}):
         time.sleep(1.1)
-    beats = [r for r in read_new(path, 0)[0] if "heartbeat" in r]
-    assert [set(b) for b in beats] == [{"time", "heartbeat"}] * len(beats)  # no counts
+    records = [r for r in read_new(path, 0)[0] if "heartbeat" in r]
+    beats, end = records[:-1], records[-1]
+    assert [set(b) for b in beats] == [{"time", "heartbeat", "phase"}] * len(beats)  # no counts
     assert {b["heartbeat"] for b in beats} == {"load weights"}
     assert 5 <= len(beats) <= 7, beats  # one at entry, then one every 0.2 s
+    # The phase: its kind, start, budget and the evidence measured at each beat.
+    since = beats[0]["phase"]["since"]
+    assert t0 <= since <= beats[0]["time"]
+    assert [b["phase"] for b in beats] == [
+        {"kind": "load", "since": since, "budget": 90.5, "evidence": {"read": i}} for i in range(len(beats))
+    ]
+    assert set(end) == {"time", "heartbeat", "ended"} and (end["heartbeat"], end["ended"]) == ("load weights", True)
     gaps = [b["time"] - a["time"] for a, b in zip(beats, beats[1:])]
     assert all(0.15 < g < 0.6 for g in gaps), gaps
     size = path.stat().st_size
@@ -385,5 +395,6 @@ def test_a_silent_phase_writes_only_heartbeats(start_rank):
     assert r.wait() == 0
     records = r.progress()
     beats = [x for x in records if "heartbeat" in x]
-    assert len(beats) >= 3 and all(set(b) == {"time", "heartbeat"} for b in beats)
+    assert len(beats) >= 3 and all(set(b) == {"time", "heartbeat", "phase"} for b in beats[:-1])
+    assert beats[-1]["ended"] is True and not set(beats[-1]) & {"samples", "tokens"}
     assert records[-1]["samples"] == 1
