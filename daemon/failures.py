@@ -10,6 +10,13 @@ The rules, in order:
   is that death's consequence, and the death goes first;
 - the watchdog's finding (daemon/watchdog.py) leads when it found a stall (the ranks' own
   failures came after the daemon gave up on them); a straggler's record is ordered by time;
+- a process of the group that was stopped (SIGSTOP, a debugger) or in uninterruptible disk wait
+  (D) from before the first failure, for at least HELD_MIN_S, is the root cause over the peers
+  that failed waiting for it (a collective's timeout, a lost heartbeat), the way a collective's
+  straggler causes its peers' timeouts: a process that cannot run cannot answer, while its
+  peers' errors only say that it did not. The state comes from the watch (daemon/phases.py),
+  sampled each second; within a stall the watchdog's own finding names that process already
+  (daemon/stall.py: a stuck process is preferred over the ranks that wait for it);
 - a rank whose exit or error file is missing because the state directory was full is named
   for that (ENOSPC), not as a plain exit code or a lost rank;
 - no record is ever empty: an exception keeps its type and traceback even with an empty
@@ -180,10 +187,45 @@ def describe_failure(group: Group, ex: RankExit, host: str) -> contract.ErrorRec
     )
 
 
+# Seconds a process must have been held (stopped, or in D) before a failure to be its cause: a
+# moment's D state (a page fault on a busy disk) or a debugger's brief attach is no cause.
+HELD_MIN_S = 2.0
+
+
+def held_record(group: Group, host: str, before: float) -> ErrorRecord | None:
+    """The error record of a process held stopped or in disk wait since before `before`, if any."""
+    from .phases import STUCK_STATES  # the watch's own names for the states
+
+    seen = [*group.watch.procs.values(), *group.watch.held_gone.values()]
+    held = [p for p in seen if p.state in STUCK_STATES and p.since <= before - HELD_MIN_S]
+    if not held:
+        return None
+    p = min(held, key=lambda p: (p.since, p.role == "descendant"))
+    rank = group.rank_of(p.rank) if p.rank < len(group.ranks) + len(group.workers) else None
+    return contract.ErrorRecord(
+        rank=p.rank,
+        pid=p.pid,
+        host=host,
+        type="Stopped" if p.state != "disk-sleep" else "DiskWait",
+        message=(
+            f"{p.who()} was {STUCK_STATES[p.state]} from {before - p.since:.0f} s before the first failure; "
+            "its peers' failures followed from waiting for it"
+        ),
+        traceback=group.watch.table(before),
+        time=p.since,
+        source="stall",
+        path=str(rank.log_path) if rank is not None else None,
+    )
+
+
 def ordered(group: Group, host: str, stuck: ErrorRecord | None) -> list[tuple[RankExit | None, ErrorRecord]]:
     """The group's failures as (whose, error record), root cause first; `stuck` is the
     watchdog's record (None: it found nothing), whose entry has no rank exit."""
     records = [(ex, describe_failure(group, ex, host)) for ex in failures(group)]
+    if records and stuck is None:
+        held = held_record(group, host, records[0][1].time)
+        if held is not None:
+            records.insert(0, (None, held))
     if stuck is not None and group.stuck["kind"] == "stall":
         # The ranks' own failures, if any, came after the daemon gave up on them.
         records.insert(0, (None, stuck))

@@ -35,6 +35,7 @@ from eyas.state.contract import ErrorRecord
 from . import failures as root_cause
 from . import oom, stacks
 from .logsplit import LogSplitter
+from .phases import Watch
 from .ranks import Rank, RankExit, create_time, read_json
 from .tpworkers import TPWorkers
 
@@ -84,6 +85,10 @@ class Group(TPWorkers):
     active_at: float = field(default_factory=time.time)
     activity: tuple = ()
     stuck: dict | None = None
+    # Every process under the ranks, each rank's open phase and its last sign of life (daemon/phases.py),
+    # and the run's `[stages.<name>] phase_budgets` by phase kind.
+    watch: Watch = field(default_factory=Watch)
+    phase_budgets: dict[str, float] = field(default_factory=dict)
     ignored: set = field(default_factory=set)  # records refused by own_record, each logged once
     # The settlement (daemon/settle.py): what the end was, read once, and when to try again
     # to record it after a write failed (the group stays in memory until it is recorded).
@@ -316,13 +321,21 @@ class Group(TPWorkers):
 
     # -- stacks and ends ----------------------------------------------------------------
 
-    async def request_stacks(self, members: list[Rank]) -> list[dict]:
-        """Ask the live members for their Python stacks (daemon/stacks.py); one record each."""
-        return stacks.request(members)
+    async def request_stacks(self, members: list[Rank], descendants: bool = False) -> list[dict]:
+        """Ask the live members for their Python stacks (daemon/stacks.py); one record each, with
+        its state, and with `descendants` one for every other live process under them."""
+        return stacks.with_descendants(stacks.request(members), self.watch, time.time(), descendants)
 
-    async def collect_stacks(self, members: list[Rank], **kwargs) -> list[dict]:
-        """The members' Python and native stacks (daemon/stacks.py's collect)."""
-        return await stacks.collect(members, **kwargs)
+    async def collect_stacks(self, members: list[Rank], descendants: bool = False, **kwargs) -> list[dict]:
+        """The members' (and with `descendants` every process under them) Python and native
+        stacks (daemon/stacks.py's collect)."""
+        return await stacks.collect(
+            members,
+            requester=lambda ranks: stacks.with_descendants(
+                stacks.request(ranks), self.watch, time.time(), descendants
+            ),
+            **kwargs,
+        )
 
     def new_nodes(self) -> str | None:
         """The nodes the group was given, once, when newly known (a Slurm job's); None locally."""

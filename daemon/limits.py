@@ -22,3 +22,5 @@ def set_bounds(group, cfg: dict) -> None:
     spec = specs.STAGES[group.stage]
     group.stall_timeout = stage_value(cfg, group.stage, "stall_timeout", spec.stall_timeout)
     group.exit_timeout = stage_value(cfg, group.stage, "exit_timeout", spec.exit_timeout)
+    budgets = ((cfg.get("stages") or {}).get(group.stage) or {}).get("phase_budgets") or {}
+    group.phase_budgets = {str(k): float(v) for k, v in budgets.items()}

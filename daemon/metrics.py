@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 from eyas.state import contract, store
 
 from .group import Group
+from .phases import node_tree
 from .ranks import Rank
 from .sampler import RankRef, newest_mtime
 
@@ -74,6 +76,9 @@ class Metrics:
             group = self.groups.get(attempt_id)
             if group is not None:
                 group.seen.update(pids)
+        # Stamped after the sample, not with the loop's `now`: a state seen then may be newer
+        # than `now`, and a stopped process must never look stopped for longer than it was.
+        self._watch(groups, result, time.time())
         attempt_of = {(g.run_id, g.stage): g.attempt_id for g in groups}
         self.stage_live.update(result.stages)
         # The last write joins the ranks' roll-up, written each second already: no extra write.
@@ -107,6 +112,30 @@ class Metrics:
                     "last_write": wrote.get((run_id, stage, attempt), {}),
                 },
             )
+
+    @staticmethod
+    def _watch(groups: list[Group], result, now: float) -> None:
+        """Hand each group's watch (daemon/phases.py) its members' processes, phases and life."""
+        for g in groups:
+            members = [r.rank for r in g.ranks] + [w.rank for w in g.workers.values()]
+            sampled = False
+            for member in members:
+                key = (g.attempt_id, member)
+                if key in result.procs or key in result.writes or key in result.phases:
+                    # A Slurm rank's processes are on its node: its monitor reports them (tree.json).
+                    procs = result.procs.get(key, []) if g.local_processes else None
+                    g.watch.update(g, member, procs, result.phases.get(key), result.writes.get(key), now)
+                    sampled = True
+                elif g.local_processes:
+                    g.watch.update_procs(g, member, [], now)  # ended: its processes are gone
+            if not g.local_processes:
+                for r in g.ranks:
+                    procs = node_tree(g.dir / contract.rank_file(r.rank, contract.TREE), now) if r.exit is None else []
+                    if procs is not None:
+                        g.watch.update_procs(g, r.rank, procs, now)
+                        sampled = True
+            if sampled:
+                g.watch.settle_cpu(now)
 
     def _ended_writes(self, groups: list[Group], writes: dict) -> None:
         """Add to `writes` the last write of members that ended and are sampled no more, when

@@ -75,7 +75,12 @@ async def dump(pid: int, timeout: float = TIMEOUT) -> dict:
 
 async def add_to(entries: list[dict], timeout: float = TIMEOUT) -> list[dict]:
     """Dump every live process of `entries` (stacks.request records) at once, in place."""
-    live = [e for e in entries if "skipped" not in e and e.get("pid")]
+    for e in entries:
+        if e.get("state") in ("stopped", "tracing-stop") and "skipped" not in e:
+            # A stopped process runs nothing that could be read consistently, and py-spy's
+            # attach to one fails or waits out its timeout: say why instead.
+            e["native_skipped"] = "it is stopped: no stacks can be taken until it is continued (kill -CONT)"
+    live = [e for e in entries if "skipped" not in e and "native_skipped" not in e and e.get("pid")]
     for e, found in zip(live, await asyncio.gather(*(dump(e["pid"], timeout) for e in live))):
         e.update(found)
     return entries

@@ -65,7 +65,13 @@ class SampleResult:
     gpus: list[dict]  # GpuProbe.devices() snapshot
     descendants: dict[Key, list[tuple[int, float]]]  # the rank's live process tree, root included
     bad_lines: dict[Key, int] = field(default_factory=dict)  # corrupt progress lines so far, if any
-    writes: dict[Key, float] = field(default_factory=dict)  # when each rank last wrote (last_write)
+    writes: dict[Key, float] = field(default_factory=dict)  # when each rank last showed life (last_write)
+    # Every live process of the rank's tree: {"pid", "create_time", "state", "cpu", "title"}
+    # (psutil's status names, CPU seconds user+system), for the watchdog (daemon/phases.py).
+    procs: dict[Key, list[dict]] = field(default_factory=dict)
+    # The rank's open phase (its last heartbeat's, workers/runtime/progress.py): {"phase", "kind",
+    # "since", "budget", "evidence", "waits", "time", "evidence_at"}; absent when none is open.
+    phases: dict[Key, dict] = field(default_factory=dict)
 
 
 class _Series:
@@ -122,6 +128,61 @@ class _Progress:
         self.tokens = _Series(self.window_s)
         self.samples = _Series(self.window_s)
         self.gpu_mem: float | None = None  # the largest gpu_mem_bytes a progress line reported
+        self.counted_at: float | None = None  # the time of the last record that was no heartbeat
+        self.phase: dict | None = None  # the open phase, from its last heartbeat
+
+
+def _phase_line(prog: _Progress, rec: dict, t: float) -> str | None:
+    """Take a heartbeat line into `prog.phase`: "moved" when its evidence changed (or the phase
+    began), "beat" when it did not, "ended" for the phase's last line, None for any other line.
+
+    Moving evidence is the one thing of a heartbeat that shows the phase working rather than a
+    thread beating (daemon/phases.py)."""
+    if "heartbeat" not in rec:
+        return None
+    if rec.get("ended"):
+        if prog.phase is not None and prog.phase["phase"] == str(rec["heartbeat"]):
+            prog.phase = None
+        return "ended"
+    detail = rec.get("phase") if isinstance(rec.get("phase"), dict) else {}
+    name = str(rec["heartbeat"])
+    since = _number(detail.get("since")) or t
+    evidence = detail.get("evidence")
+    old = prog.phase
+    before = None if old is None else old.get("evidence")
+    fresh = old is None or old["phase"] != name or old["since"] != since
+    if fresh:
+        prog.phase = {"phase": name, "since": since, "evidence_at": since}
+    prog.phase.update(
+        kind=str(detail.get("kind") or "other"),
+        budget=_number(detail.get("budget")),
+        waits=detail.get("waits"),
+        evidence=evidence,
+        time=t,
+    )
+    return "moved" if fresh or (evidence is not None and evidence != before) else "beat"
+
+
+def _title(p: psutil.Process) -> str:
+    """How a process names itself: its command line (a renamed process's new name), else its comm."""
+    try:
+        argv = p.cmdline()
+    except _GONE:
+        argv = []
+    if argv:
+        head = os.path.basename(argv[0]) if argv[0].startswith("/") else argv[0]
+        return " ".join([head, *argv[1:]])[:160]
+    try:
+        return p.name()
+    except _GONE:
+        return "?"
+
+
+def _created(p: psutil.Process) -> float:
+    try:
+        return p.create_time()
+    except _GONE:
+        return 0.0
 
 
 def _number(value: Any) -> float | None:
@@ -131,11 +192,17 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def last_write(ref: RankRef) -> float | None:
-    """When the rank last wrote a log line or a progress record: the newer mtime of its log and
-    progress file (None before either exists). Two stats a rank a second: the files' own
-    times, so a late sample never makes a quiet rank look busy."""
-    return newest_mtime(ref.log_path, ref.progress_path)
+def last_write(ref: RankRef, prog: _Progress | None = None) -> float | None:
+    """When the rank last showed life: the newest of its log's mtime, its last progress record
+    that was no heartbeat, and the last move of its open phase's evidence (None before any).
+
+    A heartbeat is not a sign of life (daemon/phases.py): a rank whose heartbeat thread beats
+    while the rest of it hangs must go quiet. The files' own times, so a late sample never
+    makes a quiet rank look busy. Without what the progress file said (`prog`), its mtime."""
+    if prog is None:
+        return newest_mtime(ref.log_path, ref.progress_path)
+    times = [newest_mtime(ref.log_path), prog.counted_at, (prog.phase or {}).get("evidence_at")]
+    return max((t for t in times if t is not None), default=None)
 
 
 def newest_mtime(*paths: Path | None) -> float | None:
@@ -183,9 +250,13 @@ class Sampler:
         self._trees: dict[Key, dict[int, psutil.Process]] = {}
         self._progress: dict[Key, _Progress] = {}
         self._peak: dict[Key, int] = {}
+        # (pid, create_time) -> (its comm, its command line), read again when its comm changes.
+        self._titles: dict[tuple[int, float], tuple[str, str]] = {}
 
     def forget(self, attempt_id: int) -> None:
         """Drop everything kept for an attempt's ranks (call when its group has ended)."""
+        for pid, p in [(pid, p) for k, tree in self._trees.items() if k[0] == attempt_id for pid, p in tree.items()]:
+            self._titles.pop((pid, _created(p)), None)
         for cache in (self._trees, self._progress, self._peak):
             for key in [k for k in cache if k[0] == attempt_id]:
                 gone = cache.pop(key)
@@ -244,7 +315,8 @@ class Sampler:
 
             roll: dict[str, float] = {}
             procs = self._tree(ref, key, children, ref.exclude)
-            cpu, rss, res.descendants[key] = self._measure(procs)
+            cpu, rss, res.procs[key] = self._measure(procs, self._titles)
+            res.descendants[key] = [(p["pid"], p["create_time"]) for p in res.procs[key]]
             if procs:
                 roll.update(cpu_percent=cpu, rss=float(rss))
                 row("cpu_percent", cpu)
@@ -255,10 +327,12 @@ class Sampler:
                     used = sum(gpu_mem.get(pid, 0) for pid in procs)
                     self._peak[key] = max(self._peak.get(key, 0), used)
                     row("gpu_mem_bytes", used)
-            wrote = last_write(ref)
+            prog = self._read_progress(ref, key, row)
+            wrote = last_write(ref, prog)
             if wrote is not None:
                 res.writes[key] = wrote
-            prog = self._read_progress(ref, key, row)
+            if prog is not None and prog.phase is not None:
+                res.phases[key] = dict(prog.phase)
             if prog is not None:
                 rate = prog.tokens.rate(now)
                 if rate is not None:
@@ -322,26 +396,45 @@ class Sampler:
         return live
 
     @staticmethod
-    def _measure(procs: dict[int, psutil.Process]) -> tuple[float, int, list[tuple[int, float]]]:
-        """Summed CPU % and RSS of the tree, and its (pid, create_time); drops what vanished.
+    def _measure(procs: dict[int, psutil.Process], titles: dict) -> tuple[float, int, list[dict]]:
+        """Summed CPU % and RSS of the tree, and each live process's pid, create time, state
+        (psutil's status name), CPU seconds and title; drops what vanished.
 
         RSS counts pages shared between the processes once per process: USS would not, but
-        reading smaps for it costs far more than a 1 Hz sampler may spend.
+        reading smaps for it costs far more than a 1 Hz sampler may spend. State and CPU times
+        come from the same read of /proc/<pid>/stat as the rest (oneshot); the title (the
+        command line, which vLLM's processes rename, "VLLM::EngineCore") once per name it takes.
         """
         cpu, rss, members = 0.0, 0, []
         for pid in list(procs):
             p = procs[pid]
             try:
-                with p.oneshot():  # one read of /proc/<pid>/stat serves all three
+                with p.oneshot():  # one read of /proc/<pid>/stat serves all of these
                     c = p.cpu_percent(interval=None)  # 0.0 on the first call for a process
                     m = p.memory_info().rss
                     created = p.create_time()
+                    state = p.status()
+                    times = p.cpu_times()
+                    comm = p.name()
             except _GONE:
                 del procs[pid]
                 continue
+            # Read again when the process renamed itself since (vLLM's do, after start-up).
+            comm_then, title = titles.get((pid, created), (None, None))
+            if title is None or comm_then != comm:
+                title = _title(p)
+                titles[(pid, created)] = (comm, title)
             cpu += c
             rss += m
-            members.append((pid, created))
+            members.append(
+                {
+                    "pid": pid,
+                    "create_time": created,
+                    "state": state,
+                    "cpu": round(times.user + times.system, 3),
+                    "title": title,
+                }
+            )
         return cpu, rss, members
 
     def _read_progress(self, ref: RankRef, key: Key, row) -> _Progress | None:
@@ -355,6 +448,7 @@ class Sampler:
             prog = self._progress[key] = _Progress(path, self.rate_window_s)
         restarts = prog.reader.restarts
         records, bad = prog.reader.read()
+        counted = moved = False
         if prog.reader.restarts != restarts:  # truncated or replaced: what we knew is void
             prog.reset()
         if bad:
@@ -365,6 +459,12 @@ class Sampler:
             t = _number(rec.get("time"))
             if t is None:
                 t = time.time()  # a record without its own time: it was written moments ago
+            kind = _phase_line(prog, rec, t)
+            if kind is not None:
+                moved = moved or kind == "moved"
+                counted = counted or kind == "ended"  # a phase that ended is work done
+                continue
+            counted = True
             emit = ref.metrics_since is None or t > ref.metrics_since
             for name, raw in rec.items():
                 if name in _NOT_METRICS:
@@ -383,6 +483,13 @@ class Sampler:
                 prog.tokens.add(t, tokens)
             if samples is not None:
                 prog.samples.add(t, samples)
+        if counted or moved:
+            # The file's own time, as for the log (last_write): a rank's clock may differ.
+            written = newest_mtime(path)
+            if counted:
+                prog.counted_at = written
+            if moved and prog.phase is not None:
+                prog.phase["evidence_at"] = written or prog.phase["evidence_at"]
         return prog
 
     def _stage(

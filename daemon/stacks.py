@@ -19,7 +19,7 @@ from pathlib import Path
 
 from eyas.wire.stacks import dump_of
 
-from . import native
+from . import native, phases
 
 # Seconds for signalled ranks to write their Python stacks: faulthandler writes from its C
 # signal handler at once, so this only covers a machine too loaded to schedule them.
@@ -66,6 +66,34 @@ def request(ranks) -> list[dict]:
                 entry.pop("offset")
         out.append(entry)
     return out
+
+
+def with_descendants(entries: list[dict], watch, now: float, descendants: bool = True) -> list[dict]:
+    """`entries` (request()'s) with each process's state from the watch (daemon/phases.py), and,
+    with `descendants`, one entry more for every live process under a rank that is none of
+    eyas's own (vLLM's EngineCore, a compile worker): py-spy dumps it, faulthandler cannot."""
+    known = {e.get("pid") for e in entries}
+    if descendants:
+        for p in sorted(watch.procs.values(), key=lambda p: (p.rank, p.pid)):
+            if p.role == "monitor" or p.pid in known:
+                continue
+            owner = next((e for e in entries if e.get("rank") == p.rank), {})
+            entries.append(
+                {
+                    "rank": p.rank,
+                    "role": "descendant",
+                    "label": p.label,
+                    "tp_rank": None,
+                    "pid": p.pid,
+                    "log_path": owner.get("log_path"),
+                    "python_skipped": "not an eyas rank (it registers no stack dump): see its native stacks",
+                }
+            )
+    for e in entries:
+        p = watch.procs.get(e.get("pid"))
+        if p is not None and "skipped" not in e:
+            e.update(phases.describe(p, now))
+    return entries
 
 
 async def collect(

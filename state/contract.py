@@ -15,6 +15,8 @@ An attempt's directory, `<state>/runs/<id>/<stage>/attempt-<n>/`, holds per rank
 - `rank-<r>.done.json`       the stage function returned and its outputs are durable
 - `rank-<r>.exit.json`       the exit status, written by the monitor after reaping the rank
 - `rank-<r>.split.json`      how far the daemon split a vLLM driver's log by TP worker
+- `rank-<r>.tree.json`       a Slurm rank's processes, states and CPU, as its monitor sees them
+- `rank-<r>.native.json`     their native stacks, taken by that monitor when `eyas stacks` asks
 and per TP worker k of a vLLM driver: `tp-<k>.proc.json` (its registration), `tp-<k>.log`,
 `tp-<k>.error.json`, `tp-<k>.progress.jsonl`, with `driver.log` holding the driver's own
 lines; and `summary.json`, the stage's figures, written by rank 0 last. The daemon's own file there
@@ -61,7 +63,17 @@ DONE = "done.json"
 EXIT = "exit.json"
 SPLIT = "split.json"
 CHILDREN = "children.json"  # the selftest stage's record of the processes it started (tests)
-KINDS = (LOG, CUT, PROC, PROGRESS, ERROR, DONE, EXIT, SPLIT, CHILDREN)
+# A remote rank's processes as its monitor sees them on its node (state, CPU, title), for the
+# watchdog the daemon cannot run there (workers/runtime/tree.py; daemon/phases.py reads it).
+TREE = "tree.json"
+NATIVE = "native.json"  # and, asked by SIGUSR1, their native stacks (py-spy), taken on the node
+KINDS = (LOG, CUT, PROC, PROGRESS, ERROR, DONE, EXIT, SPLIT, CHILDREN, TREE, NATIVE)
+
+# What a rank's long silent phases are (workers/runtime/progress.py `beating(kind=...)`), the
+# keys of `[stages.<name>] phase_budgets`: "load" a target's weights in the rank's process,
+# "engine_start" a vLLM engine (weights, profiling, compilation), "build" a model from parts,
+# "checkpoint" a save, "data" a pass over the dataset, "wait" for a peer or a streaming sibling.
+PHASE_KINDS = ("load", "engine_start", "build", "checkpoint", "data", "wait", "other")
 
 SUMMARY = "summary.json"
 # A stop the daemon signalled before the store could record it (daemon/intent.py): the reason

@@ -1,8 +1,10 @@
 """The stacks reply (`eyas stacks`, and the watchdog's report): how one process's entry reads as text, its Python dump re-read from its log.
 
-An entry is a dict made by the daemon (daemon/stacks.py): rank, pid, role, log_path, and
-"offset" (where the log stood when the process was signalled) with "python", or the
-"skipped"/"python_skipped" reason; "native" or "native_skipped" from py-spy.
+An entry is a dict made by the daemon (daemon/stacks.py): rank, pid, role ("descendant" for a
+process under a rank that is none of eyas's, with its "label"), log_path, and "offset" (where the
+log stood when the process was signalled) with "python", or the "skipped"/"python_skipped"
+reason; "native" or "native_skipped" from py-spy; and from /proc its "state" (psutil's name),
+"state_for" (seconds in it, as the daemon saw), "cpu" seconds and, for a stuck one, "wchan".
 """
 
 from __future__ import annotations
@@ -24,10 +26,19 @@ def render(entry: dict, python: str | None = None) -> str:
     if "skipped" in entry:
         return f"no stacks: {entry['skipped']}"
     python = entry.get("python", "") if python is None else python
+    parts = [state_line(entry)] if "state" in entry else []
     if "offset" in entry:
-        parts = [python or "(it wrote no Python stacks in time)"]
+        stopped = entry.get("state") in ("stopped", "tracing-stop")
+        parts.append(
+            python
+            or (
+                "(no Python stacks: it is stopped, and writes its dump only once continued)"
+                if stopped
+                else "(it wrote no Python stacks in time)"
+            )
+        )
     else:
-        parts = [f"no Python stacks: {entry.get('python_skipped', 'not asked')}"]
+        parts.append(f"no Python stacks: {entry.get('python_skipped', 'not asked')}")
     if "native" in entry:
         parts.append(f"native stacks (py-spy dump --native):\n{entry['native']}")
     elif "native_skipped" in entry:
@@ -73,8 +84,34 @@ def read_from(path: Path, offset: int) -> str:
         tail.close()
 
 
+# How /proc's states read (psutil's names); the two that hold up a group first.
+STATES = {
+    "stopped": "stopped (SIGSTOP or a debugger holds it)",
+    "tracing-stop": "stopped by a tracer",
+    "disk-sleep": "in uninterruptible disk wait (D)",
+    "running": "running",
+    "sleeping": "sleeping",
+    "zombie": "a zombie (exited, not reaped)",
+}
+
+
+def state_line(entry: dict) -> str:
+    """ "state: stopped (...) for 42 s, cpu 3.1 s; waiting in do_signal_stop"."""
+    line = f"state: {STATES.get(entry['state'], entry['state'])}"
+    if entry.get("state_for") is not None:
+        line += f" for {entry['state_for']:.0f} s"
+    if entry.get("cpu") is not None:
+        line += f", cpu {entry['cpu']:.1f} s"
+    if entry.get("wchan"):
+        line += f"; waiting in the kernel's {entry['wchan']}"
+    return line
+
+
 def who(entry: dict) -> str:
-    """How a request() record names its process: "rank 1", or "TP worker 3"."""
+    """How a request() record names its process: "rank 1", "TP worker 3", or a descendant's
+    label ("VLLM::EngineCore under rank 0")."""
+    if entry.get("role") == "descendant":
+        return entry.get("label") or f"a process under rank {entry['rank']}"
     return f"TP worker {entry['tp_rank']}" if entry.get("role") == "tp-worker" else f"rank {entry['rank']}"
 
 

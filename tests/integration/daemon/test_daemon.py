@@ -335,11 +335,20 @@ def test_a_stage_that_goes_quiet_fails_as_stalled_with_the_stacks_and_restarts(d
     pid = next(r["pid"] for r in first["ranks"] if r["rank"] == 1)
     assert (root["type"], root["rank"], root["pid"], root["source"]) == ("Stalled", 1, pid, "stall")
     assert re.fullmatch(
-        r"no rank wrote a log line or progress for [23] s \(stages\.selftest\.stall_timeout = 2\); "
-        r"the live ranks' stacks follow",
+        r"no rank wrote a log line or progress, and no phase's evidence moved, for [23] s "
+        r"\(stages\.selftest\.stall_timeout = 2\); the live ranks' stacks follow",
         root["message"],
     ), root["message"]
-    assert root["traceback"].startswith(f"rank 1 (pid {pid}):\nCurrent thread 0x"), root["traceback"]
+    # Every live process and its state first (rank 0 had exited: it is not there), then the stacks.
+    table, stacks = root["traceback"].split("\n\n", 1)
+    assert re.fullmatch(
+        rf"the group's processes when it was found stuck:\n  rank 1 \(pid {pid}\): sleeping for \d+ s, cpu [\d.]+ s  \[.*\]"
+        rf"\n  rank 1's monitor \(pid \d+\): sleeping for \d+ s, cpu [\d.]+ s  \[.*\]",
+        table,
+    ), table
+    assert re.match(rf"rank 1 \(pid {pid}\):\nstate: sleeping for \d+ s, cpu [\d.]+ s\n\nCurrent thread 0x", stacks), (
+        stacks
+    )
     assert 'selftest.py", line' in root["traceback"] and " in _fail\n" in root["traceback"]
     assert "rank 0" not in root["traceback"]  # it had exited: nothing to say about it
     assert first["reason"] == "Stalled: " + root["message"]
