@@ -38,6 +38,7 @@ from eyas.state.contract import ErrorRecord
 
 from . import slurmjob, stacks
 from .group import Group, make_attempt_dir
+from .phases import node_tree
 from .ranks import Rank, RankExit, read_json, tail_text
 
 log = logging.getLogger("eyas.daemon.slurmgroup")
@@ -84,6 +85,7 @@ class SlurmGroup(Group):
     consequences: set[int] = field(default_factory=set)  # ranks whose end Slurm's ending caused
     nodes: str | None = None  # the allocation's hostlist, once Slurm gave one
     nodes_told: str | None = None  # the last one new_nodes() handed out to be recorded
+    native_asked_at: float = 0.0  # when stacks were last asked of the nodes (request_stacks)
 
     # Nothing of a Slurm rank runs on the daemon's host: no process to sample, signal or find.
     local_processes = False
@@ -295,10 +297,11 @@ class SlurmGroup(Group):
 
     # -- stacks ------------------------------------------------------------------------
 
-    async def request_stacks(self, members: list[Rank]) -> list[dict]:
+    async def request_stacks(self, members: list[Rank], descendants: bool = False) -> list[dict]:
         """Ask every live rank for its Python stacks with one `scancel --signal=USR1` (in a
         thread): Slurm delivers it on each node (the launcher made the signal harmless until a
-        rank registers its dump). py-spy's native stacks need the rank's node: not taken here."""
+        rank registers its dump), and each rank's monitor then takes its processes' native
+        stacks there (workers/runtime/tree.py), which collect_stacks reads back."""
         out = []
         for r in members:
             entry = {"rank": r.rank, "role": r.role, "tp_rank": r.tp_rank, "pid": r.pid, "log_path": str(r.log_path)}
@@ -306,10 +309,14 @@ class SlurmGroup(Group):
                 entry["skipped"] = "not running" if r.exit is not None else "not started yet"
             else:
                 entry["offset"] = _size(r.log_path)
-                entry["native_skipped"] = (
-                    f"a Slurm rank on {r.host or 'its node'}: py-spy runs on the daemon's host only"
-                )
             out.append(entry)
+        now = time.time()
+        for r in members:  # the nodes' latest word, not the last sample's (daemon/metrics.py)
+            procs = node_tree(self.dir / contract.rank_file(r.rank, contract.TREE), now) if r.tp_rank is None else None
+            if r.exit is None and procs is not None:
+                self.watch.update_procs(self, r.rank, procs, now)
+        out = stacks.with_descendants(out, self.watch, now, descendants)
+        self.native_asked_at = now
         if any("offset" in e for e in out):
             try:
                 await asyncio.to_thread(slurmjob.signal, self.job_id, "USR1")
@@ -319,9 +326,32 @@ class SlurmGroup(Group):
                         e["python_skipped"] = str(exc)
         return out
 
-    async def collect_stacks(self, members: list[Rank], **kwargs) -> list[dict]:
-        asked = await self.request_stacks(members)
-        return await stacks.collect(members, requester=lambda _: asked, native_stacks=False, **kwargs)
+    async def collect_stacks(self, members: list[Rank], descendants: bool = False, **kwargs) -> list[dict]:
+        asked = await self.request_stacks(members, descendants)
+        native_timeout = kwargs.pop("native_timeout", stacks.native.TIMEOUT)
+        entries = await stacks.collect(members, requester=lambda _: asked, native_stacks=False, **kwargs)
+        await self._node_native(entries, native_timeout)
+        return entries
+
+    async def _node_native(self, entries: list[dict], timeout: float) -> None:
+        """Each live process's native stacks, as its rank's monitor wrote them on its node
+        (rank-<r>.native.json, newer than the request), waiting up to `timeout` for them."""
+        want = {e["rank"] for e in entries if "skipped" not in e and e.get("role") != "tp-worker"}
+        deadline = time.monotonic() + timeout
+        dumps: dict[int, dict] = {}
+        while True:
+            for r in want - set(dumps):
+                record = read_json(self.dir / contract.rank_file(r, contract.NATIVE))
+                if isinstance(record, dict) and float(record.get("time") or 0) >= self.native_asked_at - 1.0:
+                    dumps[r] = record.get("dumps") or {}
+            if set(dumps) >= want or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.1)
+        for e in entries:
+            if "skipped" in e or "native" in e or "native_skipped" in e:
+                continue
+            found = dumps.get(e["rank"], {}).get(str(e.get("pid")))
+            e.update(found or {"native_skipped": f"its node's monitor wrote no native stacks within {timeout:g} s"})
 
     # -- tear down ---------------------------------------------------------------------
 

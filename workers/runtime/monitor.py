@@ -191,6 +191,15 @@ def main() -> int:
         from eyas.workers.runtime.node_gpu import NodeGpuMemory
 
         NodeGpuMemory(proc.pid, file(contract.PROGRESS)).start()
+        # Its processes' states for the watchdog, and their native stacks when `eyas stacks` or
+        # the watchdog signals the job (tree.py). The handler goes in only now: one set before
+        # the spawn would be reset to SIGUSR1's default (death) in the rank, before its runtime
+        # registers its own dump.
+        from eyas.workers.runtime.tree import NodeTree
+
+        tree = NodeTree(proc.pid, file(contract.TREE), file(contract.NATIVE))
+        tree.start()
+        signal.signal(signal.SIGUSR1, tree.ask_native)
     try:
         atomic.write_json(
             file(contract.PROC),

@@ -178,11 +178,39 @@ def test_eyas_stacks_reaches_a_hung_slurm_rank(slurm, daemon):
     reply = daemon.request("stacks", run=run_id)
     by_rank = {r["rank"]: r for r in reply["ranks"]}
     assert "_fail" in by_rank[0]["python"] and "selftest.py" in by_rank[0]["python"], by_rank[0]
-    assert "py-spy runs on the daemon's host only" in by_rank[0]["native_skipped"]
+    # The native stacks come from the rank's node, where its monitor ran py-spy (tree.py).
+    assert "_fail (workers/stages/selftest.py" in by_rank[0]["native"], by_rank[0]
+    assert by_rank[0]["state"] in ("sleeping", "running") and by_rank[0]["state_for"] >= 0, by_rank[0]  # from its node
     # The signal left the ranks alive: it is a request, not a kill.
     assert daemon.run(run_id)["state"] == "running"
     daemon.cli("stop", run_id)
     assert daemon.wait_run(run_id, timeout=60)["state"] == "cancelled"
+
+
+def test_a_stopped_process_under_a_slurm_rank_is_named_from_its_node(slurm, daemon):
+    """The node's monitor reports the rank's processes (tree.json); the watchdog on the daemon's
+    host names the stopped one, by pid, what it is and its state, as it does locally."""
+    run_id = daemon.submit(
+        slurm_toml(
+            "stopped-child",
+            {"steps": 1, "heartbeat_for": 300, "heartbeat_evidence": "child"},
+            stall_timeout=10,
+        )
+    )
+    running_ranks(daemon, run_id)
+    children = Path(attempt_row(daemon, run_id)["dir"]) / "rank-0.children.json"
+    child = wait_for(lambda: children.exists() and json.loads(children.read_text())["children"][0], 60, what="child")
+    stopped_at = time.time()
+    os.kill(child, signal.SIGSTOP)
+    run = daemon.wait_run(run_id, timeout=90)
+    root = root_cause(daemon, run_id)
+    print(f"Slurm: stopped child found {root['time'] - stopped_at:.1f} s after SIGSTOP (stall_timeout 10)")
+    assert (run["state"], root["type"], root["pid"], root["rank"]) == ("failed", "Stalled", child, 0), root
+    assert root["message"].startswith(
+        f"selftest::EngineCore under rank 0 (pid {child}) has been stopped (SIGSTOP or a debugger holds it) for "
+    ), root["message"]
+    assert 10 <= root["time"] - stopped_at <= 10 + 12
+    assert "no native stacks: it is stopped" in root["traceback"]
 
 
 def test_the_daemon_killed_mid_job_readopts_it_and_the_stage_completes(slurm, daemon):
