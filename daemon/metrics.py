@@ -78,7 +78,8 @@ class Metrics:
                 group.seen.update(pids)
         # Stamped after the sample, not with the loop's `now`: a state seen then may be newer
         # than `now`, and a stopped process must never look stopped for longer than it was.
-        self._watch(groups, result, time.time())
+        if self.sampler.watching:  # sampler.WATCH_ENV=off: the benchmark's baseline
+            self._watch(groups, result, time.time())
         attempt_of = {(g.run_id, g.stage): g.attempt_id for g in groups}
         self.stage_live.update(result.stages)
         # The last write joins the ranks' roll-up, written each second already: no extra write.

@@ -31,6 +31,10 @@ _NOT_METRICS = frozenset({"time", "rank", "pid", "attempt"})
 _COUNTS = ("samples", "samples_total", "tokens", "tokens_total")
 
 _GONE = (psutil.NoSuchProcess, psutil.AccessDenied)  # ZombieProcess is a NoSuchProcess
+# "off": measure as before the watchdog read processes' states (no state, CPU times or title per
+# process). Only tests/bench/bench_daemon_overhead.py sets it, for its baseline in the same run;
+# the watchdog's process and phase rules see nothing then.
+WATCH_ENV = "EYAS_WATCH"
 
 Key = tuple[int, int]  # (attempt_id, rank)
 
@@ -251,12 +255,20 @@ class Sampler:
         self._progress: dict[Key, _Progress] = {}
         self._peak: dict[Key, int] = {}
         # (pid, create_time) -> (its comm, its command line), read again when its comm changes.
-        self._titles: dict[tuple[int, float], tuple[str, str]] = {}
+        self._titles: dict[tuple[int, float], tuple[str, str]] | None = (
+            None if os.environ.get(WATCH_ENV) == "off" else {}
+        )
+
+    @property
+    def watching(self) -> bool:
+        """Whether processes' states, CPU times and titles are read (WATCH_ENV is not "off")."""
+        return self._titles is not None
 
     def forget(self, attempt_id: int) -> None:
         """Drop everything kept for an attempt's ranks (call when its group has ended)."""
         for pid, p in [(pid, p) for k, tree in self._trees.items() if k[0] == attempt_id for pid, p in tree.items()]:
-            self._titles.pop((pid, _created(p)), None)
+            if self._titles is not None:
+                self._titles.pop((pid, _created(p)), None)
         for cache in (self._trees, self._progress, self._peak):
             for key in [k for k in cache if k[0] == attempt_id]:
                 gone = cache.pop(key)
@@ -396,7 +408,7 @@ class Sampler:
         return live
 
     @staticmethod
-    def _measure(procs: dict[int, psutil.Process], titles: dict) -> tuple[float, int, list[dict]]:
+    def _measure(procs: dict[int, psutil.Process], titles: dict | None) -> tuple[float, int, list[dict]]:
         """Summed CPU % and RSS of the tree, and each live process's pid, create time, state
         (psutil's status name), CPU seconds and title; drops what vanished.
 
@@ -413,6 +425,10 @@ class Sampler:
                     c = p.cpu_percent(interval=None)  # 0.0 on the first call for a process
                     m = p.memory_info().rss
                     created = p.create_time()
+                    if titles is None:  # WATCH_ENV=off: the baseline's measure
+                        cpu, rss = cpu + c, rss + m
+                        members.append({"pid": pid, "create_time": created, "state": "?", "cpu": 0.0, "title": "?"})
+                        continue
                     state = p.status()
                     times = p.cpu_times()
                     comm = p.name()
