@@ -22,6 +22,7 @@ from typing import Any
 
 import psutil
 
+from eyas.daemon.phases import CPU_MOVE_S
 from eyas.daemon.progressfile import ProgressReader
 from eyas.state.procs import same_start
 from eyas.workers.nvml import GpuProbe
@@ -254,6 +255,7 @@ class Sampler:
         self._trees: dict[Key, dict[int, psutil.Process]] = {}
         self._progress: dict[Key, _Progress] = {}
         self._peak: dict[Key, int] = {}
+        self._cpu_marks: dict[Key, tuple[float, float | None]] = {}  # (tree CPU s, when it last moved)
         # (pid, create_time) -> (its comm, its command line), read again when its comm changes.
         self._titles: dict[tuple[int, float], tuple[str, str]] | None = (
             None if os.environ.get(WATCH_ENV) == "off" else {}
@@ -269,7 +271,7 @@ class Sampler:
         for pid, p in [(pid, p) for k, tree in self._trees.items() if k[0] == attempt_id for pid, p in tree.items()]:
             if self._titles is not None:
                 self._titles.pop((pid, _created(p)), None)
-        for cache in (self._trees, self._progress, self._peak):
+        for cache in (self._trees, self._progress, self._peak, self._cpu_marks):
             for key in [k for k in cache if k[0] == attempt_id]:
                 gone = cache.pop(key)
                 if isinstance(gone, _Progress):
@@ -341,6 +343,15 @@ class Sampler:
                     row("gpu_mem_bytes", used)
             prog = self._read_progress(ref, key, row)
             wrote = last_write(ref, prog)
+            if prog is not None and prog.phase is not None and self.watching:
+                # Inside a phase, the CPU of the rank's own processes is a sign of life too
+                # (daemon/phases.py): a load in an engine child writes nothing the rank counts.
+                tree_cpu = sum(p["cpu"] for p in res.procs[key])
+                mark = self._cpu_marks.get(key)
+                if mark is None or tree_cpu < mark[0] or tree_cpu - mark[0] >= CPU_MOVE_S:
+                    self._cpu_marks[key] = mark = (tree_cpu, now if mark is not None else None)
+                if mark[1] is not None:
+                    wrote = max(wrote or mark[1], mark[1])
             if wrote is not None:
                 res.writes[key] = wrote
             if prog is not None and prog.phase is not None:

@@ -1,15 +1,15 @@
-"""Whether a rank is alive in the way that matters: how long since it last wrote a log line or a
-progress record (`ranks.last_write`, kept by the daemon's sampler), whether that counts as quiet,
-and one line for a stage whose ranks are quiet or have partly exited.
+"""Whether a rank is alive in the way that matters: how long since it last showed life
+(`ranks.last_write`, kept by the daemon's sampler: a log line, a progress record, or inside a long
+silent phase its evidence or its processes' CPU moving; a bare heartbeat does not count), whether
+that counts as quiet, and one line for a stage whose ranks are quiet or have partly exited.
 
 Shared by the TUI and the CLI, so both mark the same ranks the same way. Stdlib only.
 
-A rank is quiet once it has written nothing for `quiet_after()` seconds: 60 by default
-(QUIET_AFTER_S), `EYAS_QUIET_AFTER` overrides it. A minute is twice the 30 s heartbeat that
-eyas's long silent phases write (weight load, engine start-up, checkpoint save: the stall rule,
-daemon/stall.py, counts on them), so a healthy rank is never marked, while the mark comes long
-before a stage's stall_timeout (10 minutes and more) ends it. The mark only tells; the watchdog
-alone acts.
+A rank is quiet once it has shown no life for `quiet_after()` seconds: 60 by default
+(QUIET_AFTER_S), `EYAS_QUIET_AFTER` overrides it. A working phase (a weight load, an engine
+start-up, a checkpoint save) shows its evidence every 5 s (workers/runtime/progress.py), so a
+healthy rank is never marked, while the mark comes long before a stage's stall_timeout (10
+minutes and more) ends it. The mark only tells; the watchdog (daemon/stall.py) alone acts.
 """
 
 from __future__ import annotations

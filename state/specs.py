@@ -173,9 +173,9 @@ class StageSpec:
     gpus: bool = True  # False: runs on CPU (tokenizing, counting, checks) and holds no GPU
     # The hang bounds' defaults (README, "How it works → Hangs"); a run overrides them in
     # [stages.<name>], where 0 turns one off. Every legitimately silent phase of a real stage
-    # (weight load, engine start-up, checkpoint save) writes a heartbeat line every ~30 s, so
-    # ten quiet minutes mean a hang, not a slow step.
-    stall_timeout: float = 600.0  # seconds with nothing written to the attempt dir
+    # (weight load, engine start-up, checkpoint save) shows evidence of its work (daemon/
+    # phases.py), so ten minutes without any mean a hang, not a slow step.
+    stall_timeout: float = 600.0  # seconds with no write and no phase evidence moving
     exit_timeout: float = 60.0  # seconds a rank may outlive its own work or its peers
     options: type[Table] = NoOptions  # the model [stages.<name>] options must fit
 
