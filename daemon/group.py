@@ -409,6 +409,9 @@ class Group(TPWorkers):
 
     async def _teardown(self, grace: float) -> None:
         pending = self._signal_all(signal.SIGTERM)
+        # A stopped process (SIGSTOP, a debugger's detach) holds SIGTERM pending until it runs
+        # again, and would wait out the whole grace for SIGKILL: continue it, as systemd does.
+        self._signal_all(signal.SIGCONT)
         deadline = time.monotonic() + grace
         while pending and time.monotonic() < deadline:
             await asyncio.sleep(0.02)

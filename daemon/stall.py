@@ -51,6 +51,11 @@ def activity(directory: Path) -> tuple:
         return ()
 
 
+# Seconds after the group's last sign of life within which a process seen held (stopped, or in
+# D) counts as what the group went quiet for.
+QUIET_HELD_SLACK_S = 5.0
+
+
 def check(group, now: float, sibling=lambda stage: None) -> dict | None:
     """The group's stall (see the module's docstring): {"kind": "stall", "cause", "time",
     "quiet", "heartbeat", ...the cause's fields}; None while it is not stuck. `sibling(stage)`
@@ -63,6 +68,10 @@ def check(group, now: float, sibling=lambda stage: None) -> dict | None:
     last = max(group.active_at, alive or 0.0)
     found: dict = {"kind": "stall", "time": now, "quiet": now - last}
     held = watch.stuck_process(now, group.stall_timeout)
+    if held is None and now - last >= group.stall_timeout:
+        # Quiet, and a process was held from about when the quiet began: that is why (its
+        # state is sampled once a second, after the last write it may have made).
+        held = watch.stuck_process(now, max(0.0, now - last - QUIET_HELD_SLACK_S))
     if held is not None:
         found.update(
             cause="process", pid=held.pid, who=held.who(), state=held.state, held=now - held.since, since=held.since
@@ -74,7 +83,10 @@ def check(group, now: float, sibling=lambda stage: None) -> dict | None:
         found.update(cause="quiet")
     else:
         return None
-    found["heartbeat"] = last_heartbeat(group.dir)
+    # The last heartbeat names the phase the ranks were stuck in, if that phase was still open.
+    beat = last_heartbeat(group.dir)
+    if beat is not None and beat["phase"] in {p.get("phase") for p in watch.phases.values()}:
+        found["heartbeat"] = beat
     found["processes"] = watch.table(now)
     return found
 
@@ -161,13 +173,13 @@ def _message(group, stuck: dict) -> str:
 
 
 def _during(group, stuck: dict) -> str:
-    """Which phase the ranks were in, by their last heartbeat."""
+    """Which open phase the ranks were in, by their last heartbeat (which proves nothing else)."""
     beat = stuck.get("heartbeat")
     if not beat:
         return ""
     return (
-        f"; the last heartbeat was {beat['file'].replace('-', ' ')}'s {beat['phase']!r}, "
-        f"{stuck['time'] - beat['time']:.0f} s before"
+        f"; {beat['file'].replace('-', ' ')} was in its phase {beat['phase']!r} "
+        f"(its last heartbeat {stuck['time'] - beat['time']:.0f} s before)"
     )
 
 

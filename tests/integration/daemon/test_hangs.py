@@ -162,9 +162,9 @@ def test_a_stall_names_the_last_heartbeat(tmp_path):
 
     rec = stall.error_record(Group, "host")
     assert rec.message == (
-        "no rank wrote a log line or progress for 609 s (stages.extract.stall_timeout = 600); "
-        "the last heartbeat was rank 0's 'load weights', 610 s before; "
-        "the live ranks' stacks follow"
+        "no rank wrote a log line or progress, and no phase's evidence moved, for 609 s "
+        "(stages.extract.stall_timeout = 600); rank 0 was in its phase 'load weights' "
+        "(its last heartbeat 610 s before); the live ranks' stacks follow"
     )
 
 

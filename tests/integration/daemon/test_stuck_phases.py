@@ -52,10 +52,7 @@ def test_a_heartbeat_without_evidence_is_no_proof_of_life(daemon):
     assert root["message"].startswith("no rank wrote a log line or progress, and no phase's evidence moved, for "), (
         root["message"]
     )
-    assert (
-        "(stages.selftest.stall_timeout = 8); the last heartbeat was rank 0's 'selftest heartbeat_for'"
-        in (root["message"])
-    )
+    assert "(stages.selftest.stall_timeout = 8); rank 0 was in its phase 'selftest heartbeat_for'" in (root["message"])
     assert attempt["duration"] <= 8 + SLACK + 5, attempt["duration"]
     assert "rank 0 (pid " in root["traceback"] and "state: sleeping for " in root["traceback"]
 
@@ -120,7 +117,8 @@ def test_a_stopped_child_of_a_rank_is_named_as_the_cause(daemon):
     found = root["time"] - stopped_at
     print(f"stopped engine stand-in found {found:.1f} s after SIGSTOP (stall_timeout 10)")
     assert (run["state"], root["type"], root["pid"], root["rank"]) == ("failed", "Stalled", child, 0), root
-    assert 10 <= found <= 10 + SLACK, found
+    # From its last sign of life: the CPU it burnt, seen moving each second up to the stop.
+    assert 10 - 2 <= found <= 10 + SLACK, found
     assert root["message"].startswith(
         f"selftest::EngineCore under rank 0 (pid {child}) has been stopped (SIGSTOP or a debugger holds it) for "
     ), root["message"]

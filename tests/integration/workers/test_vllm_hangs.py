@@ -69,11 +69,12 @@ def test_a_stopped_engine_core_during_engine_start_is_stalled_and_named(vdaemon,
     found = root["time"] - stopped_at
     print(f"TP {tp}: stopped EngineCore found {found:.1f} s after SIGSTOP (stall_timeout {STALL:g})")
     assert (run["state"], root["type"], root["pid"], root["rank"]) == ("failed", "Stalled", core.pid, 0), root
-    assert STALL <= found <= STALL + SLACK, found
+    # From the group's last sign of life, which may be a second or two before the stop.
+    assert STALL - 2 <= found <= STALL + SLACK, found
     assert root["message"].startswith(
         f"VLLM::EngineCore under rank 0 (pid {core.pid}) has been stopped (SIGSTOP or a debugger holds it) for "
     ), root["message"]
-    assert "the last heartbeat was rank 0's 'vllm engine start'" in root["message"], root["message"]
+    assert "rank 0 was in its phase 'vllm engine start'" in root["message"], root["message"]
     tb = root["traceback"]
     assert f"VLLM::EngineCore under rank 0 (pid {core.pid}): stopped" in tb.split("\n\n")[0], tb[:2000]
     assert "no native stacks: it is stopped" in tb
