@@ -35,7 +35,14 @@ def check(group, now: float) -> dict | None:
         if peers and all(p.exit is not None and not p.exit.failed for p in peers):
             since.append((max(p.exit.time for p in peers), "its peers finished"))
         if since and now - min(since)[0] >= group.exit_timeout:
-            return {"kind": "straggler", "time": now, "rank": r.rank, "pid": r.pid, "after": min(since)[1]}
+            return {
+                "kind": "straggler",
+                "time": now,
+                "rank": r.rank,
+                "pid": r.pid,
+                "after": min(since)[1],
+                "processes": group.watch.table(now),  # every live process and its state (daemon/phases.py)
+            }
     return None
 
 
@@ -54,7 +61,12 @@ def error_record(group, host: str) -> contract.ErrorRecord:
             f"rank {stuck['rank']} did not exit {group.exit_timeout:g} s after {stuck['after']} "
             f"(stages.{group.stage}.exit_timeout = {group.exit_timeout:g}); its stacks follow"
         ),
-        traceback=report(asked, mine),
+        traceback=(
+            f"the group's processes when it was found stuck:\n{stuck['processes']}\n\n"
+            if stuck.get("processes")
+            else ""
+        )
+        + report(asked, mine),
         time=stuck["time"],
         source="straggler",
         path=str(rank.log_path),

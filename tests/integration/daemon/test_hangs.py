@@ -67,7 +67,9 @@ def test_a_rank_alive_after_its_stage_returned_is_a_straggler_with_its_native_st
             "(stages.selftest.exit_timeout = 3); its stacks follow"
         )
         tb = root["traceback"]
-        assert tb.startswith(f"rank {root['rank']} (pid {pid}):\n"), tb
+        table, tb = tb.split("\n\n", 1)  # every live process and its state first
+        assert table.startswith("the group's processes when it was found stuck:\n") and f"(pid {pid}): " in table, table
+        assert tb.startswith(f"rank {root['rank']} (pid {pid}):\nstate: "), tb
         assert "native stacks (py-spy dump --native):" in tb and NATIVE_FRAME.search(tb), tb
         assert "threading.py" in tb, tb  # the Python frames: the main thread joining the lingering one
     assert run["stages"][0]["restarts"] == 1
@@ -212,6 +214,7 @@ def test_the_straggler_rule_counts_from_done_json_or_from_the_last_peer(tmp_path
         "rank": 0,
         "pid": 100,
         "after": "its stage function returned",
+        "processes": "",  # none sampled here
     }
     (tmp_path / "rank-0.done.json").unlink()
     group.ranks[1].exit = RankExit(1, 101, 0, None, 200.0)
