@@ -176,7 +176,8 @@ def _title(p: psutil.Process) -> str:
         argv = []
     if argv:
         head = os.path.basename(argv[0]) if argv[0].startswith("/") else argv[0]
-        return " ".join([head, *argv[1:]])[:160]
+        # setproctitle pads a renamed process's command line with spaces.
+        return " ".join([head, *argv[1:]]).strip()[:160]
     try:
         return p.name()
     except _GONE:

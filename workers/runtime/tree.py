@@ -85,7 +85,7 @@ class NodeTree(threading.Thread):
                     "state": state,
                     "for": round(now - since, 3),
                     "cpu": round(times.user + times.system, 3),
-                    "title": " ".join([head, *argv[1:]])[:160],
+                    "title": " ".join([head, *argv[1:]]).strip()[:160],  # setproctitle pads it
                 }
             )
         self._since = {k: v for k, v in self._since.items() if k in seen}
