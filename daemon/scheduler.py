@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyas.state import contract, paths, privacy, specs, store
+from eyas.state import contract, paths, privacy, regenerate, specs, store
 
 from . import diskfull
 from .group import Group
@@ -66,17 +66,31 @@ class Scheduler:
             return []
         extract = cfg.get("extract", {})
         per_rank = 1
-        if stage == "preflight":  # its canary runs the extraction's engine: extract's GPUs per rank
-            if "extract" not in cfg.get("pipeline", ()) or not extract.get("canary", True):
+        if stage == "preflight":  # its canaries run the extraction's and the regeneration's engines
+            per_rank = self._canary_gpus(cfg)
+            if per_rank == 0:
                 return []
-            stage = "extract"
-        if stage == "extract" and extract.get("backend") == "vllm":
+        elif stage == "extract" and extract.get("backend") == "vllm":
             per_rank = extract.get("tensor_parallel_size", 1)
+        elif stage == "regenerate":  # one vLLM engine per rank, at its TP size (else extract's)
+            per_rank = regenerate.tensor_parallel_size(cfg)
         elif stage == "evaluate":  # vLLM at the run's TP size, target and draft on every GPU
             per_rank = (cfg.get("evaluate") or {}).get("tensor_parallel_size") or extract.get("tensor_parallel_size", 1)
         need = world_size * per_rank
         free = [d for d in range(count) if d not in held]
         return free[:need] if len(free) >= need else None
+
+    @staticmethod
+    def _canary_gpus(cfg: dict) -> int:
+        """GPUs the preflight's canaries take (one at a time, so the larger): extract's engine
+        (its TP size on the vllm backend, else one GPU), regenerate's; 0 when neither runs."""
+        pipeline, extract = cfg.get("pipeline", ()), cfg.get("extract", {})
+        need = 0
+        if "extract" in pipeline and extract.get("canary", True):
+            need = extract.get("tensor_parallel_size", 1) if extract.get("backend") == "vllm" else 1
+        if "regenerate" in pipeline and (cfg.get("regenerate") or {}).get("canary", True):
+            need = max(need, regenerate.tensor_parallel_size(cfg))
+        return need
 
     def _finish_run(self, db, run_id: int, state: str, reason: str, now: float | None = None) -> None:
         row = db["runs"].get(run_id)

@@ -7,12 +7,12 @@ and `eyas doctor` and the preflight stage report the same words as failed checks
 (workers/doctor/target.py). Only a target that is a local directory is read: a hub name cannot
 be read here (and `runconfig.validate` refuses a target.path that does not exist).
 
-Which stages load the target's weights: extract (vLLM, or transformers' from_pretrained on the
-hf backend), train (speculators reads the verifier's embeddings, lm_head and norm from them)
-and evaluate (vLLM). A vLLM stage loads none when its engine arguments ask for random weights,
-`[stages.<stage>] options.vllm.load_format = "dummy"` (vLLM's own option, passed through as
-given); transformers and speculators have no such option. The preflight's canary uses dummy
-weights on its shrunken copy whatever the run says (workers/canary/run.py).
+Which stages load the target's weights: regenerate (vLLM), extract (vLLM, or transformers'
+from_pretrained on the hf backend), train (speculators reads the verifier's embeddings, lm_head
+and norm from them) and evaluate (vLLM). A vLLM stage loads none when its engine arguments ask
+for random weights, `[stages.<stage>] options.vllm.load_format = "dummy"` (vLLM's own option,
+passed through as given); transformers and speculators have no such option. The preflight's
+canary uses dummy weights on its shrunken copy whatever the run says (workers/canary/run.py).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def loaders(cfg: RunConfig) -> list[Loader]:
     for stage in cfg.pipeline:
         if stage == "extract":
             engine = "vllm" if cfg.extract.backend == "vllm" else "transformers"
-        elif stage == "evaluate":
+        elif stage in ("evaluate", "regenerate"):
             engine = "vllm"
         elif stage == "train":
             engine = "speculators"
@@ -129,8 +129,12 @@ class TpSetting:
 
 
 def tp_settings(cfg: RunConfig) -> list[TpSetting]:
-    """The run's vLLM tensor-parallel sizes: extract's (vllm backend; hf runs at 1) and evaluate's."""
+    """The run's vLLM tensor-parallel sizes: regenerate's, extract's (vllm backend; hf runs at 1)
+    and evaluate's."""
     out = []
+    if "regenerate" in cfg.pipeline:
+        size = cfg.regenerate.tensor_parallel_size or cfg.extract.tensor_parallel_size
+        out.append(TpSetting("regenerate", size, _ep(cfg, "regenerate")))
     if "extract" in cfg.pipeline and cfg.extract.backend == "vllm":
         out.append(TpSetting("extract", cfg.extract.tensor_parallel_size, _ep(cfg, "extract")))
     if "evaluate" in cfg.pipeline:
@@ -144,21 +148,22 @@ def _ep(cfg: RunConfig, stage: str) -> bool:
 
 
 def tp_problems(cfg: RunConfig, model_cfg: dict) -> list[Problem]:
-    """One Problem per TP key whose size the target's shape does not allow. Evaluate's size
-    (which defaults to extract's) is told with extract's when they are the same."""
+    """One Problem per TP key whose size the target's shape does not allow. Evaluate's and
+    regenerate's sizes (which default to extract's) are told with extract's when they are the same."""
     out: list[Problem] = []
     settings = tp_settings(cfg)
     for s in settings:
         earlier = [
             e for e in settings if e.stage != s.stage and (e.size, e.expert_parallel) == (s.size, s.expert_parallel)
         ]
-        if earlier and s.stage == "evaluate":
+        if s.stage != "extract" and any(e.stage == "extract" for e in earlier):
             continue  # told with extract's
         found = tpsizes.rules(model_cfg, s.expert_parallel)
         bad = tpsizes.broken(s.size, found)
         if not bad:
             continue
-        also = f" (evaluate runs at {s.size} too)" if earlier else ""
+        others = [e.stage for e in earlier]
+        also = f" ({', '.join(others)} {'runs' if len(others) == 1 else 'run'} at {s.size} too)" if others else ""
         problem = tpsizes.describe(s.size, bad) + also
         fix = f"sizes that work: {', '.join(map(str, tpsizes.sizes_that_work(found)))}"
         if not s.expert_parallel and not tpsizes.broken(s.size, tpsizes.rules(model_cfg, expert_parallel=True)):

@@ -27,6 +27,8 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo
 
+from eyas.state import regenerate as regen
+from eyas.state.regenerate import RegenerateConfig
 from eyas.state.specs import DEFAULT_PIPELINE, STAGES, Table
 from eyas.state.target import default_layer_ids, layer_id_errors, num_hidden_layers, read_model_config, text_value
 from eyas.state.tomlcheck import ConfigError, Report, describe, is_int, read_toml
@@ -308,6 +310,7 @@ class RunConfig(_Head):
     draft: DraftConfig = Field(default_factory=DraftConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)  # state/regenerate.py
     storage: StorageConfig = Field(default_factory=StorageConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     stages: dict[str, StageConfig] = Field(default_factory=dict)
@@ -535,6 +538,9 @@ def validate(data: dict[str, Any], base_dir: str | os.PathLike, source: str) -> 
     evaluate = _check_evaluate(
         report, data, pipeline, data_cfg, devices, files, tp if report.ok("extract.tensor_parallel_size") else 1
     )
+    regenerate = regen.check(report, data, pipeline, devices)
+    for problem in regen.pipeline_problems(pipeline):
+        report.error("pipeline", problem)
 
     if report.errors:
         raise ConfigError(report.errors)
@@ -549,6 +555,7 @@ def validate(data: dict[str, Any], base_dir: str | os.PathLike, source: str) -> 
         draft=draft,
         train=train,
         evaluate=evaluate,
+        regenerate=regenerate,
         storage=storage,
         slurm=slurm,
         stages=stages,

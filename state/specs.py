@@ -67,6 +67,12 @@ EVALUATE_ENGINE_ARGS = (
 )
 
 
+# The regenerate stage's (workers/vllm/generate.py): extract's, less what a generation may
+# change: enforce_eager (CUDA graphs decode faster on GPUs) and enable_prefix_caching (faster
+# multi-turn prompts, at the price of resumes that are byte-identical to an uninterrupted run).
+REGENERATE_ENGINE_ARGS = tuple(a for a in EXTRACT_ENGINE_ARGS if a not in ("enforce_eager", "enable_prefix_caching"))
+
+
 class NoOptions(Table):
     """The options of a stage that takes none: every key is unknown."""
 
@@ -116,6 +122,17 @@ class EvaluateOptions(Table):
             EVALUATE_ENGINE_ARGS,
             "tensor_parallel_size: evaluate.tensor_parallel_size; dtype: target.dtype; "
             "speculative_config: evaluate.num_speculative_tokens",
+        ),
+    ] = Field(default_factory=dict)
+
+
+class RegenerateOptions(Table):
+    """[stages.regenerate] options (workers/stages/regenerate.py)."""
+
+    vllm: Annotated[
+        dict[str, Any],
+        _engine_args(
+            REGENERATE_ENGINE_ARGS, "tensor_parallel_size: regenerate.tensor_parallel_size; dtype: target.dtype"
         ),
     ] = Field(default_factory=dict)
 
@@ -188,9 +205,9 @@ STAGES: dict[str, StageSpec] = {
         StageSpec(
             "preflight",
             "eyas.workers.stages.preflight:main",
-            "check versions, target, adapter, tokenizer and resources; run the extraction's canary",
+            "check versions, target, adapter, tokenizer and resources; run the engines' canaries",
             distributed=False,
-            # The canary's engine takes the extraction's GPUs (daemon/scheduler.py: _devices_for).
+            # The canaries' engines take extract's or regenerate's GPUs (daemon/scheduler.py: _devices_for).
             gpus=True,
         ),
         StageSpec(
@@ -200,6 +217,15 @@ STAGES: dict[str, StageSpec] = {
             distributed=False,
             needs_data=True,
             gpus=False,
+        ),
+        # The target answers the prepared prompts again; the later stages read its dataset
+        # (state/regenerate.py: data_dir). Its engines take their GPUs as extract's do.
+        StageSpec(
+            "regenerate",
+            "eyas.workers.stages.regenerate:main",
+            "rewrite the assistant turns with the target (vLLM)",
+            needs_data=True,
+            options=RegenerateOptions,
         ),
         StageSpec(
             "extract", "eyas.workers.stages.extract:main", "capture the target's hidden states", options=ExtractOptions
@@ -264,8 +290,8 @@ def sibling(stage: str) -> str | None:
 
 
 def stream_order(names: list[str]) -> list[str]:
-    """The order a streaming run's stages start in: what reads only prepare's output (vocab)
-    goes before extract, so that train can start beside extract."""
+    """The order a streaming run's stages start in: what reads only the dataset (vocab: prepare's
+    or regenerate's) goes before extract, so that train can start beside extract."""
     if "extract" not in names or "vocab" not in names or names.index("vocab") < names.index("extract"):
         return list(names)
     rest = [n for n in names if n != "vocab"]

@@ -66,3 +66,15 @@ def test_evaluate_defaults_to_extracts_tp_size_and_waits_when_short():
     cfg = {**CFG, "evaluate": {}}
     assert _core(8)._devices_for(cfg, "evaluate", 1) == [0, 1, 2, 3]
     assert _core(8, held={3: [0, 1, 2, 3, 4]})._devices_for(cfg, "evaluate", 1) is None
+
+
+def test_regenerate_claims_an_engine_per_rank_and_preflight_its_canarys():
+    cfg = {**CFG, "pipeline": ["preflight", "prepare", "regenerate", "extract"]}
+    assert _core(8)._devices_for(cfg, "regenerate", 2) == list(range(8))  # two engines at extract's TP 4
+    own = {**cfg, "regenerate": {"tensor_parallel_size": 2}}
+    assert _core(8)._devices_for(own, "regenerate", 1) == [0, 1]
+    assert _core(8, held={3: [0, 1, 2, 3, 4, 5, 6]})._devices_for(own, "regenerate", 1) is None  # waits
+    hf = {**own, "extract": {"backend": "hf", "tensor_parallel_size": 1}}
+    assert _core(8)._devices_for(hf, "preflight", 1) == [0, 1]  # the larger canary: regenerate's at TP 2
+    quiet = {**hf, "extract": {**hf["extract"], "canary": False}, "regenerate": {"canary": False}}
+    assert _core(8)._devices_for(quiet, "preflight", 1) == []

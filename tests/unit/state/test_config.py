@@ -314,7 +314,7 @@ max_restart = 1
     assert errors(text) == [
         "run.toml: pipline: unknown key; did you mean 'pipeline'?",
         "run.toml: colour: unknown key; valid keys: name, output_dir, pipeline, target, data, extract, "
-        "resources, draft, train, evaluate, storage, slurm, stages, preflight",
+        "resources, draft, train, evaluate, regenerate, storage, slurm, stages, preflight",
         "run.toml: target.dtyp: unknown key; did you mean 'target.dtype'?",
         "run.toml: train.epoch: unknown key; did you mean 'train.epochs'?",
         "run.toml: stages.train.max_restart: unknown key; did you mean 'stages.train.max_restarts'?",
@@ -499,8 +499,8 @@ options = 3
         'run.toml: pipeline: empty; list at least one stage, e.g. ["prepare", "extract", "vocab", "train", "evaluate"]',
     ]
     assert errors('name = "x"\npipeline = ["nonsense"]\n') == [
-        "run.toml: pipeline: unknown stage 'nonsense'; choose from preflight, prepare, extract, vocab, train, "
-        "evaluate, selftest",
+        "run.toml: pipeline: unknown stage 'nonsense'; choose from preflight, prepare, regenerate, extract, vocab, "
+        "train, evaluate, selftest",
     ]
 
 
