@@ -14,6 +14,7 @@ import functools
 import random
 from pathlib import Path
 
+from eyas.state.regenerate import data_dir
 from eyas.state.runconfig import RunConfig
 from eyas.workers.data.reader import RowError, data_files, read_rows, row_byte_limit
 from eyas.workers.data.target_vocab import target_vocab_size
@@ -24,7 +25,7 @@ SYNTHETIC_LENGTHS = (57, 9, 33, 21, 64, 5, 40, 17)
 
 def take(cfg: RunConfig, output_dir: Path, count: int) -> tuple[list[list[int]], str]:
     """Up to `count` rows of token ids, and where they came from (for the report)."""
-    prepared = output_dir / "prepare" / "dataset"
+    prepared = data_dir(output_dir, cfg.pipeline) / "dataset"
     if prepared.is_dir():
         from datasets import load_from_disk
 

@@ -85,7 +85,9 @@ def run_checks(
     from eyas.workers.doctor import resources, target, versions
 
     checks: list[Check] = []
-    uses_vllm = ("extract" in cfg.pipeline and cfg.extract.backend == "vllm") or "evaluate" in cfg.pipeline
+    uses_vllm = ("extract" in cfg.pipeline and cfg.extract.backend == "vllm") or bool(
+        {"evaluate", "regenerate"} & set(cfg.pipeline)
+    )
     checks += versions.check(needs_vllm=uses_vllm)
     if "prepare" in cfg.pipeline and cfg.data is not None:
         from eyas.workers.doctor import data

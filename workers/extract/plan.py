@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eyas.state.regenerate import data_dir
 from eyas.state.runconfig import ExtractConfig, ResourcesConfig, StorageConfig, TargetConfig, stage_options
 from eyas.workers.extract import hswriter
 
@@ -44,7 +45,8 @@ class Settings:
     @classmethod
     def from_config(cls, cfg: dict, options: dict, output_dir: Path, out_dir: Path) -> Settings:
         """The settings of an extraction of the run `cfg` (its dict form) with [stages.extract]
-        `options`, reading <output_dir>/prepare/dataset and writing under `out_dir`."""
+        `options`, reading the run's dataset (<output_dir>/prepare/dataset, or regenerate/dataset when the
+        pipeline has regenerate: state/regenerate.py) and writing under `out_dir`."""
         target = cfg.get("target")
         if not target:
             raise ValueError(
@@ -65,7 +67,7 @@ class Settings:
             layer_ids=ex.layer_ids,
             batch_size=ex.batch_size,
             device=_device(devices),
-            dataset_dir=output_dir / "prepare" / "dataset",
+            dataset_dir=data_dir(output_dir, cfg.get("pipeline")) / "dataset",  # prepare's or regenerate's
             out_dir=out_dir,
             backend=ex.backend,
             tensor_parallel_size=ex.tensor_parallel_size,

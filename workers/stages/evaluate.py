@@ -73,10 +73,12 @@ class Settings:
     num_layers: int
     ttt_steps: int
     out: Path  # the run's output dir
+    data: Path  # the run's dataset folder: prepare's, or regenerate's (state/regenerate.py: data_dir)
     engine_options: dict[str, Any]
 
 
 def settings(ctx) -> Settings:
+    from eyas.state.regenerate import data_dir
     from eyas.state.runconfig import RunConfig, stage_options
 
     cfg = RunConfig.from_dict(ctx.config)
@@ -98,6 +100,7 @@ def settings(ctx) -> Settings:
         num_layers=cfg.draft.num_layers,
         ttt_steps=cfg.draft.ttt_steps,
         out=ctx.output_dir,
+        data=data_dir(ctx.output_dir, cfg.pipeline),
         # Checked when the run was submitted (state/specs.py: EvaluateOptions).
         engine_options=dict(stage_options("evaluate", ctx.options).vllm),
     )
@@ -133,7 +136,7 @@ def load_prompts(s: Settings) -> tuple[list[list[int]], list[int] | None, str]:
             Path(s.prompts_file), s.target, s.trust_remote_code, target_vocab_size(s.target), s.max_prompts
         )
         return prompts, None, s.prompts_file
-    prompts, rows = eval_prompts.from_validation(s.out / "prepare", s.max_prompts)
+    prompts, rows = eval_prompts.from_validation(s.data, s.max_prompts)
     return prompts, rows, "validation split"
 
 

@@ -13,7 +13,10 @@ When the checks pass and the run extracts (`extract.canary`, on by default), it 
 canary (workers/canary/run.py): the run's own extraction path on a shrunken, dummy-weight copy
 of the target, in this rank, with the run's TP workers under the daemon like the extract
 stage's. A failure there (a worker's exception, a wrong capture) fails the preflight with the
-worker's own error as the root cause, before the real engine starts loading the target.
+worker's own error as the root cause, before the real engine starts loading the target. A run
+that regenerates (`regenerate.canary`, on by default) then runs the generation's canary the same
+way (workers/canary/generate.py): a few short answers on the shrunken target, through the
+regenerate stage's own engine and TP size.
 """
 
 from __future__ import annotations
@@ -52,7 +55,13 @@ def main(ctx) -> None:
         from eyas.workers.canary import run as canary
 
         report = canary.run(cfg, Path(output_dir), ctx.attempt_dir / "canary", progress=ctx.progress)
-        atomic.write_json(ctx.attempt_dir / contract.SUMMARY, {**summary, "canary": report})
+        summary = {**summary, "canary": report}
+        atomic.write_json(ctx.attempt_dir / contract.SUMMARY, summary)
+    from eyas.workers.canary import generate as generate_canary
+
+    if generate_canary.wanted(cfg):
+        report = generate_canary.run(cfg, Path(output_dir), ctx.attempt_dir / "canary-generate", progress=ctx.progress)
+        atomic.write_json(ctx.attempt_dir / contract.SUMMARY, {**summary, "generate_canary": report})
 
 
 def wants_canary(cfg: RunConfig) -> bool:

@@ -29,6 +29,7 @@ import logging
 from typing import Any
 
 from eyas.state import contract
+from eyas.state.regenerate import data_dir
 from eyas.workers.runtime import atomic
 
 log = logging.getLogger("eyas.train")
@@ -84,7 +85,7 @@ def settings(ctx):
         seed=cfg.train.seed,
         strategy=cfg.train.strategy,
         device=device,
-        prepare_dir=out / "prepare",
+        prepare_dir=data_dir(out, cfg.pipeline),  # prepare's dataset, or regenerate's
         extract_dir=out / "extract",
         vocab_dir=out / "vocab",
         out_dir=ctx.stage_dir,

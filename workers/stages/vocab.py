@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from eyas.state import contract
+from eyas.state.regenerate import data_dir
 from eyas.state.runconfig import RunConfig
 from eyas.workers.data.target_vocab import target_vocab_size
 from eyas.workers.runtime import atomic
@@ -120,7 +121,7 @@ def main(ctx) -> None:
             f"draft.vocab_size: {n} exceeds the target's vocabulary ({v}, in "
             f"{cfg.target.path}/config.json); use at most {v}"
         )
-    freq = load_frequencies(ctx.output_dir / "prepare" / "token_freq.npy", v)
+    freq = load_frequencies(data_dir(ctx.output_dir, cfg.pipeline) / "token_freq.npy", v)  # prepare's or regenerate's
     d2t, t2d = build_mapping(freq, n, v)
     seen = int(np.count_nonzero(freq))
     if seen < n:

@@ -1,0 +1,1 @@
+"""The regenerate stage's machinery (its entry point is workers/stages/regenerate.py): rows.py (one row's turns, pure), settings.py (settings, plan), ledger.py (the rows files), run.py (a rank and its engine), assemble.py (rank 0's dataset)."""
