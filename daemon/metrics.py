@@ -8,6 +8,7 @@ from pathlib import Path
 
 from eyas.state import contract, store
 
+from . import tensorboard
 from .group import Group
 from .phases import node_tree
 from .ranks import Rank
@@ -71,6 +72,7 @@ class Metrics:
         if not refs:
             return
         result = self.sampler.sample(refs, now)
+        tensorboard.boards(self).add(result.metrics, groups)  # [tracking] tensorboard: the rows the store gets
         self._ended_writes(groups, result.writes)
         for (attempt_id, _rank), pids in result.descendants.items():
             group = self.groups.get(attempt_id)

@@ -32,6 +32,7 @@ from eyas.state.regenerate import RegenerateConfig
 from eyas.state.specs import DEFAULT_PIPELINE, STAGES, Table
 from eyas.state.target import default_layer_ids, layer_id_errors, num_hidden_layers, read_model_config, text_value
 from eyas.state.tomlcheck import ConfigError, Report, describe, is_int, read_toml
+from eyas.state.tracking import TrackingConfig
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 DataFormat = Literal["auto", "sharegpt", "openai", "tokenized"]
@@ -313,6 +314,7 @@ class RunConfig(_Head):
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)  # state/regenerate.py
     storage: StorageConfig = Field(default_factory=StorageConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)  # [tracking]: state/tracking.py
     stages: dict[str, StageConfig] = Field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -541,6 +543,7 @@ def validate(data: dict[str, Any], base_dir: str | os.PathLike, source: str) -> 
     regenerate = regen.check(report, data, pipeline, devices)
     for problem in regen.pipeline_problems(pipeline):
         report.error("pipeline", problem)
+    tracking = _section(report, data, "tracking", TrackingConfig, files) or TrackingConfig()
 
     if report.errors:
         raise ConfigError(report.errors)
@@ -558,6 +561,7 @@ def validate(data: dict[str, Any], base_dir: str | os.PathLike, source: str) -> 
         regenerate=regenerate,
         storage=storage,
         slurm=slurm,
+        tracking=tracking,
         stages=stages,
     )
 

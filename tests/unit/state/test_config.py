@@ -314,7 +314,7 @@ max_restart = 1
     assert errors(text) == [
         "run.toml: pipline: unknown key; did you mean 'pipeline'?",
         "run.toml: colour: unknown key; valid keys: name, output_dir, pipeline, target, data, extract, "
-        "resources, draft, train, evaluate, regenerate, storage, slurm, stages, preflight",
+        "resources, draft, train, evaluate, regenerate, storage, slurm, tracking, stages, preflight",
         "run.toml: target.dtyp: unknown key; did you mean 'target.dtype'?",
         "run.toml: train.epoch: unknown key; did you mean 'train.epochs'?",
         "run.toml: stages.train.max_restart: unknown key; did you mean 'stages.train.max_restarts'?",
