@@ -150,9 +150,9 @@ def show(args) -> int:
     else:
         sys.stdout.write("".join(line + "\n" for line in show_lines(run)))
         if getattr(args, "plot", False):
-            from .metrics import show_plot
+            from .plot import show_plot
 
-            return show_plot(run)
+            return show_plot(run, args)
     return 0
 
 

@@ -87,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument(
         "--plot", action="store_true", help="draw the main curves (loss, accuracy, lr, tok/s, GPU memory)"
     )
+    show.add_argument("--linear", action="store_true", help="with --plot: the losses on a linear y axis, not log")
+    show.add_argument(
+        "--smooth",
+        type=float,
+        metavar="W",
+        help="with --plot: the EMA weight that smooths loss, accuracy and tok/s, as TensorBoard's "
+        "slider (default 0.6; 0: the raw series)",
+    )
     _output_options(show)
 
     logs = sub.add_parser("logs", help="a rank's log, or all ranks merged by time")
@@ -98,12 +106,26 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--grep", help="only lines matching this regular expression")
 
     met = sub.add_parser(
-        "metrics", help="a run's recorded series: a summary, or the samples (works without the daemon)"
+        "metrics",
+        help="a run's recorded series: a summary, or the samples (works without the daemon)",
+        description="One row per series (stage, attempt, metric, rank): its sample count, first and last time, "
+        "minimum, maximum and newest value. The table shows each figure in its unit (sizes, durations, 6.9k); "
+        "--csv, --json and --nl export the same rows with raw values. --samples exports the samples "
+        "themselves instead (time, stage, attempt, rank, name, value), every one, or with --points N each "
+        "series as N bucket means. --tensorboard DIR writes them as TensorBoard event files.",
     )
     met.add_argument("run", type=int)
     met.add_argument("--stage", help="only this stage")
     met.add_argument("--name", action="append", help="only this metric (repeat for more), e.g. loss")
-    met.add_argument("--points", type=int, help="each series downsampled to at most this many bucket means")
+    met.add_argument("--samples", action="store_true", help="the samples themselves, not one summary row per series")
+    met.add_argument(
+        "--points", type=int, help="the samples, each series downsampled to at most this many bucket means"
+    )
+    met.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="write the run's samples as TensorBoard event files under DIR/run-<id>-<name> (tensorboard --logdir DIR)",
+    )
     _output_options(met)
 
     errs = sub.add_parser("errors", help="the root cause first, then the other ranks' failures")

@@ -79,3 +79,50 @@ def rank_label(rank: dict) -> str:
     if rank.get("role") == "tp-worker":
         label += f" (TP worker {'?' if rank.get('tp_rank') is None else rank['tp_rank']})"
     return label
+
+
+def nbytes(n: float) -> str:
+    """Bytes in the largest binary unit under them: `512 B`, `3.0 KiB`, `132.7 MiB`, `74.8 GiB`."""
+    for unit, div in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def short(v: float) -> str:
+    """A figure as it reads: a whole number as a count (`160`, `155,136`), else about four
+    significant digits, `6.9k` style past a thousand (`48.2k`, `1.39M`), `3.742`, `2e-05`."""
+    if abs(v) == int(abs(v)) and abs(v) < 1e15:
+        return f"{v:,.0f}"
+    return rate(v)
+
+
+def rate(v: float) -> str:
+    """A rate in three significant digits past a thousand (`6.9k`, `48.2k`, `1.39M`), else
+    four (`312.5`, `0.25`)."""
+    a = abs(v)
+    for div, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if a >= div:
+            return f"{v / div:.3g}{suffix}"
+    return f"{v:.4g}"
+
+
+def metric(name: str, value: float | None) -> str:
+    """A stored metric's value in the unit its name says: `*_bytes` (and a GPU's `mem_used`,
+    `mem_total`) as sizes, `*_s` as durations (but `*tok_s`, a rate, as `6.9k`),
+    `*_percent` and `progress` as percentages, anything else as a short figure; blank when
+    unknown."""
+    if value is None:
+        return ""
+    last = name.rsplit(".", 1)[-1]
+    if last.endswith("_bytes") or last in ("mem_used", "mem_total"):
+        return nbytes(value)
+    if last.endswith("tok_s") or last.endswith("_per_s"):
+        return rate(value)
+    if last.endswith("_s"):
+        return f"{value:.3g}s" if abs(value) < 10 else duration(value)
+    if last.endswith("_percent") or last == "util":
+        return f"{value:.0f}%"
+    if last == "progress":
+        return f"{value:.1%}"
+    return short(value)

@@ -3,7 +3,9 @@
 One run: each line of a curve gets its own colour (TTT step k, rank r). Several runs: every
 line of a run gets the run's colour, and the legend names the runs. Over time, x is the
 seconds since the stage started (so overlaid runs start together); over steps, the training
-step the train stage recorded with its figures (queries.stage_curves).
+step the train stage recorded with its figures (queries.stage_curves). How each curve is drawn
+(a log axis for the losses, smoothing for the noisy ones) is eyas.state.axes's, as for `eyas
+show --plot`.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from eyas.state import queries
+from eyas.state import axes, queries
+from eyas.state.axes import number
 from eyas.state.queries import Curve
 
 from .history import History
-from .widgets.curves import Line, number
+from .widgets.curves import Line
 
 CURVES = queries.CURVES
 BY_KEY = {c.key: c for c in CURVES}
@@ -50,18 +53,21 @@ def load(history: History, runs: list[RunRef], stage: str, keys: list[str], x: s
         for k in keys:
             curve = BY_KEY[k]
             for j, name in enumerate(wanted[k]):
-                for rank, points in sorted(data.get(name, {}).items(), key=lambda kv: (kv[0] is not None, kv[0] or 0)):
+                series = sorted(data.get(name, {}).items(), key=lambda kv: (kv[0] is not None, kv[0] or 0))
+                # Several ranks' own figures (selftest's every rank writes its loss): told apart by rank.
+                by_rank = curve.per_rank or (not curve.pattern and sum(bool(points) for _, points in series) > 1)
+                for rank, points in series:
                     if not points:
                         continue
                     origin = ref.origin if ref.origin is not None else points[0][0]
                     xs = [p[0] - origin if x == "time" else p[0] for p in points]
                     ys = [p[1] * curve.scale for p in points]
-                    part = _part(curve, name, rank, j)
+                    part = _part(curve, name, rank, j) or (f"rank {rank}" if by_rank and rank is not None else "")
                     if overlay:
                         label, colour = f"#{ref.run_id} {ref.name}", ref.colour
                     else:
                         label = part or curve.title
-                        colour = (rank or 0) if curve.per_rank else j if curve.pattern else ref.colour
+                        colour = (rank or 0) if by_rank else j if curve.pattern else ref.colour
                     named = not overlay or not any(ln.run_id == ref.run_id for ln in out[k])
                     out[k].append(Line(label, xs, ys, colour, ref.run_id, {"name": name, "rank": rank}, named))
     return out
@@ -92,3 +98,20 @@ def stage_start(run: dict | None, stage: str) -> float | None:
         return None
     first = s["attempt_list"][0]["started_at"] if s["attempt_list"] else None
     return first or s["started_at"]
+
+
+def stage_attempts(runs: list[dict], stage: str | None) -> list[dict]:
+    """Every attempt of `stage` in these runs (what an empty GPU plot's note is judged by)."""
+    return [a for run in runs for s in run["stages"] if s["name"] == stage for a in s["attempt_list"]]
+
+
+def empty_note(key: str, runs: list[dict], stage: str | None, x: str, daemon_gpu: bool | None) -> str:
+    """What a curve with no lines says: why the GPU plot is empty, or that steps were not
+    recorded, else "no samples"."""
+    if key == "gpu_mem":
+        note = axes.gpu_note(stage_attempts(runs, stage), daemon_gpu)
+        if note != "no samples":
+            return note
+    if x == "step":
+        return "no training steps recorded here (x: time)"
+    return "no samples"

@@ -653,3 +653,37 @@ def add_streaming_run(home: Path, *, kept: bool = False) -> int:
     store.insert_metrics(db, rows)
     db.conn.close()
     return run_id
+
+
+def add_cpu_curves(home: Path) -> None:
+    """Give the CPU run (4, selftest on no device) a loss and a tok/s curve: what a stage that
+    ran without GPUs records (the GPU-memory plot has nothing, and says why)."""
+    db = store.open_writer(paths.db_path(home))
+    t0 = BASE + 4 * 3600 + 1
+    rows = []
+    for k in range(30):
+        for rank in (0, 1):
+            rows.append(
+                {
+                    "time": t0 + k,
+                    "run_id": 4,
+                    "stage": "selftest",
+                    "attempt": 1,
+                    "rank": rank,
+                    "name": "loss",
+                    "value": 1.0 / (k + 1) + 0.01 * rank,
+                }
+            )
+        rows.append(
+            {
+                "time": t0 + k + 0.5,
+                "run_id": 4,
+                "stage": "selftest",
+                "attempt": 1,
+                "rank": None,
+                "name": "tok_s",
+                "value": 1800.0 + 50 * math.sin(k),
+            }
+        )
+    store.insert_metrics(db, rows)
+    db.conn.close()

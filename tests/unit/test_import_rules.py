@@ -156,6 +156,7 @@ def test_tui_uses_only_client_protocol_and_read_only_state():
         "eyas.state.paths",
         "eyas.state.machine",
         "eyas.state.display",
+        "eyas.state.axes",
         "eyas.state.liveness",
         "eyas.state.logtime",
         "eyas.state.procs",

@@ -2,9 +2,12 @@
 
 Opened with `m` from the Run screen (its run, its selected stage) or from the Runs screen
 (the runs marked with space). `x` switches the x axis between elapsed time and training
-steps, `s` goes to the next stage that has curves, `z` shows the focused plot alone. The
-curves are downsampled in SQL (queries.stage_curves), so a long run opens as fast as a short
-one; a running stage's curves are read again every few seconds.
+steps, `y` the losses' y axis between log (the default: a loss falls by decades) and linear,
+`e` the smoothing of the noisy curves (loss, accuracy, tok/s) between TensorBoard's EMA
+weights 0.6, 0.9 and off (the raw series stays faint behind), `s` goes to the next stage that
+has curves, `z` shows the focused plot alone, its legend beside it. The curves are downsampled
+in SQL (queries.stage_curves), so a long run opens as fast as a short one; a running stage's
+curves are read again every few seconds.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid
 from textual.widgets import Static
+
+from eyas.state import axes
 
 from .. import curves
 from ..live import Changes
@@ -36,6 +41,8 @@ class MetricsScreen(EyasScreen):
     BINDINGS = [
         Binding("escape", "app.pop_screen", "Back"),
         Binding("x", "toggle_x", "Steps/time"),
+        Binding("y", "toggle_log", "Log/linear"),
+        Binding("e", "smoothing", "Smoothing"),
         Binding("s", "next_stage", "Stage"),
         Binding("z", "zoom", "Zoom"),
     ]
@@ -48,6 +55,8 @@ class MetricsScreen(EyasScreen):
         self.runs: dict[int, dict] = {}
         self.lines: dict[str, list] = {k: [] for k in KEYS}
         self.zoomed = False
+        self.log_y = True  # the losses (axes.LOG_Y) on a log axis
+        self.smoothing = axes.DEFAULT_SMOOTHING  # the EMA weight of the noisy curves (axes.SMOOTHED)
 
     def title_text(self) -> str:
         return "metrics · " + ", ".join(f"run {r}" for r in self.run_ids)
@@ -82,12 +91,15 @@ class MetricsScreen(EyasScreen):
         if self.stage not in ran:
             # The train stage has the most to show; else the last stage that ran.
             self.stage = "train" if "train" in ran else (ran[-1] if ran else None)
-        refs = [
+        refs = self._refs()
+        self.lines = curves.load(hist, refs, self.stage, KEYS, self.x) if self.stage else {k: [] for k in KEYS}
+        self._draw(refs)
+
+    def _refs(self) -> list[curves.RunRef]:
+        return [
             curves.RunRef(r, run["name"] or "", i, curves.stage_start(run, self.stage))
             for i, (r, run) in enumerate(self.runs.items())
         ]
-        self.lines = curves.load(hist, refs, self.stage, KEYS, self.x) if self.stage else {k: [] for k in KEYS}
-        self._draw(refs)
 
     def _tick(self) -> None:
         if any(
@@ -101,29 +113,53 @@ class MetricsScreen(EyasScreen):
 
     def _draw(self, refs: list[curves.RunRef]) -> None:
         overlay = len(refs) > 1
+        daemon_gpu = self.app.link_status.gpu if self.app.link_status.connected else None
         for c in curves.CURVES:
             plot = self.query_one(f"#plot-{c.key}", CurvePlot)
             lines = self.lines[c.key]
             plot.unit = c.unit
-            note = "no samples"
-            if self.x == "step" and not lines:
-                note = "no training steps recorded here (x: time)"
-            plot.show(curves.title(c, lines, overlay), lines, self.x, note)
+            note = "" if lines else curves.empty_note(c.key, list(self.runs.values()), self.stage, self.x, daemon_gpu)
+            plot.show(
+                curves.title(c, lines, overlay),
+                lines,
+                self.x,
+                note,
+                log_y=self.log_y and c.key in axes.LOG_Y,
+                smoothing=self.smoothing if c.key in axes.SMOOTHED else 0.0,
+                legend=not overlay,  # overlaid runs are named once, in the legend above
+            )
         self.query_one("#legend", Static).update(self._legend(refs))
 
     def _legend(self, refs: list[curves.RunRef]) -> Text:
-        axis = "training step" if self.x == "step" else "time since the stage started"
-        head = Text.assemble(("stage ", "dim"), (self.stage or "–", "bold"), ("  ·  x: ", "dim"), axis, "  ·  ")
+        """Two rows: the stage and its runs (each in its colour when overlaid), then how the
+        plots are drawn (x, the losses' axis, the smoothing)."""
+        head = Text.assemble(("stage ", "dim"), (self.stage or "–", "bold"), "  ·  ")
         if not refs:
-            return head + Text("no such run in the store", style="dim")
-        if len(refs) == 1:
+            head.append("no such run in the store", style="dim")
+        elif len(refs) == 1:
             run = self.runs[refs[0].run_id]
-            return head + Text(f"run {refs[0].run_id} {run['name'] or ''}".rstrip())
-        for i, ref in enumerate(refs):
-            head.append("  " if i else "")
-            head.append("■ ", style=colour(ref.colour)[1])
-            head.append(f"#{ref.run_id} {ref.name}".rstrip())
-        return head
+            head.append(f"run {refs[0].run_id} {run['name'] or ''}".rstrip())
+        else:
+            for i, ref in enumerate(refs):
+                head.append("  " if i else "")
+                head.append("■ ", style=colour(ref.colour)[1])
+                head.append(f"#{ref.run_id} {ref.name}".rstrip())
+        head.truncate(max(1, self.size.width - 2), overflow="ellipsis")
+        if self.x == "step":
+            axis = "training step"
+        else:
+            span = max((max(ln.xs) - min(ln.xs) for ls in self.lines.values() for ln in ls if ln.xs), default=0)
+            axis = f"{axes.clock_unit(span)} since the stage started"
+        smooth = f"EMA {self.smoothing:g}" if self.smoothing else "off"
+        how = Text.assemble(
+            ("x: ", "dim"),
+            axis,
+            ("  ·  loss: ", "dim"),
+            "log" if self.log_y else "linear",
+            ("  ·  smoothing: ", "dim"),
+            smooth,
+        )
+        return Text("\n").join([head, how])
 
     # -- layout -------------------------------------------------------------------------------
 
@@ -144,6 +180,15 @@ class MetricsScreen(EyasScreen):
     def action_toggle_x(self) -> None:
         self.x = "step" if self.x == "time" else "time"
         self.reload()
+
+    def action_toggle_log(self) -> None:
+        self.log_y = not self.log_y
+        self._draw(self._refs())
+
+    def action_smoothing(self) -> None:
+        levels = axes.SMOOTHING_LEVELS
+        self.smoothing = levels[(levels.index(self.smoothing) + 1) % len(levels)] if self.smoothing in levels else 0.0
+        self._draw(self._refs())
 
     def action_next_stage(self) -> None:
         ran = self.stages()

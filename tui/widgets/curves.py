@@ -1,9 +1,13 @@
 """Curves drawn in the terminal: `CurvePlot` shows lines (x, y, label, colour) with plotext, and falls back to one sparkline per line when it is too small for axes.
 
-The plot carries no frame and no legend of its own at small sizes: every cell goes to the
-lines, which is what makes a useful plot fit at 80x24 over SSH. Ticks are chosen here (1-2-5
-steps, `1h30`, `12k`), not by plotext, whose labels are long floats. The lines shown stay
-readable in `lines`, so tests assert what is plotted rather than how it looks.
+The plot carries no frame: every cell goes to the lines, which is what makes a useful plot fit
+at 80x24 over SSH. Its legend is a column beside the canvas, never drawn over the data (and left
+out when the column would take more than a third of the width: `z` zooms). A curve may be drawn
+on a log y axis (a loss falling by decades) and smoothed with TensorBoard's EMA, the raw series
+faint behind the smoothed one. Ticks and their labels are eyas.state.axes's (1-2-5 steps, log
+decades, `h:mm`, `6.9k`), shared with `eyas show --plot`, not plotext's long floats. The lines
+given stay readable in `lines` and what was drawn of them in `drawn`, so tests assert what is
+plotted rather than how it looks.
 """
 
 from __future__ import annotations
@@ -14,26 +18,31 @@ from dataclasses import dataclass, field
 from rich.text import Text
 from textual_plotext import PlotextPlot
 
+from eyas.state import axes
+from eyas.state.axes import number
+
 from .. import format as fmt
 
-# (plotext colour, rich style): one line or run each, the same in the plot and its legend.
+# (plotext colour, rich style, the faint plotext colour of its raw series behind a smoothed
+# line): one line or run each, the same in the plot and its legend.
 PALETTE = [
-    ("cyan", "cyan"),
-    ("magenta", "magenta"),
-    ("green", "green"),
-    ("yellow", "yellow"),
-    ("blue", "blue"),
-    ("red", "red"),
-    ("cyan+", "bright_cyan"),
-    ("magenta+", "bright_magenta"),
+    ("cyan", "cyan", (0, 88, 96)),
+    ("magenta", "magenta", (96, 24, 96)),
+    ("green", "green", (24, 88, 24)),
+    ("yellow", "yellow", (96, 88, 16)),
+    ("blue", "blue", (32, 48, 112)),
+    ("red", "red", (112, 32, 32)),
+    ("cyan+", "bright_cyan", (24, 104, 112)),
+    ("magenta+", "bright_magenta", (112, 40, 112)),
 ]
 
 # Below this height there is no room for a title, a canvas and ticks: sparklines instead.
 MIN_PLOT_HEIGHT = 4
 MIN_PLOT_WIDTH = 16
+LEGEND_MARK = "━"
 
 
-def colour(i: int) -> tuple[str, str]:
+def colour(i: int) -> tuple[str, str, tuple[int, int, int]]:
     return PALETTE[i % len(PALETTE)]
 
 
@@ -50,66 +59,36 @@ class Line:
     named: bool = True  # has an entry in the plot's legend (overlaid runs: one line each)
 
 
-def nice_ticks(lo: float, hi: float, most: int) -> list[float]:
-    """At most `most` round values (1, 2 or 5 times a power of ten apart) within [lo, hi]."""
-    if not (math.isfinite(lo) and math.isfinite(hi)) or most < 1:
-        return []
-    if hi <= lo:
-        return [lo]
-    raw = (hi - lo) / max(1, most - 1)
-    power = 10 ** math.floor(math.log10(raw))
-    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
-    first = math.ceil(lo / step) * step
-    ticks, v = [], first
-    while v <= hi + step * 1e-9 and len(ticks) < most + 1:
-        ticks.append(0.0 if abs(v) < step * 1e-9 else v)
-        v += step
-    return ticks[:most] if len(ticks) > most else ticks
+@dataclass(frozen=True)
+class Drawn:
+    """One series as the last render drew it: y in the data's units (before any log), `faint`
+    for the raw series behind a smoothed line."""
+
+    label: str
+    xs: list[float]
+    ys: list[float]
+    faint: bool = False
 
 
-def time_ticks(lo: float, hi: float, most: int) -> list[float]:
-    """Round elapsed times: seconds, minutes or hours (1, 2, 5, 10, 15, 30 of the unit)."""
-    span = hi - lo
-    if span <= 0:
-        return [lo]
-    raw = span / max(1, most - 1)
-    steps = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 3 * 3600, 6 * 3600, 12 * 3600, 86400]
-    step = next((s for s in steps if s >= raw), 86400 * math.ceil(raw / 86400))
-    first = math.ceil(lo / step) * step
-    return [first + k * step for k in range(int((hi - first) // step) + 1)][: most + 1]
+def legend_entries(lines: list[Line]) -> tuple[str, list[tuple[str, int]]]:
+    """(a heading, [(entry, colour)]): labels that share their first word ("step 0",
+    "step 1") are headed by it and listed by the rest ("0", "1")."""
+    named = [ln for ln in lines if ln.named]
+    words = [ln.label.split(" ", 1) for ln in named]
+    if len(named) > 1 and all(len(w) == 2 for w in words) and len({w[0] for w in words}) == 1:
+        return words[0][0], [(w[1], ln.colour) for w, ln in zip(words, named)]
+    return "", [(ln.label, ln.colour) for ln in named]
 
 
-def elapsed(seconds: float) -> str:
-    """`0`, `45s`, `12m`, `1h30`, `2d3h`: short enough for an axis."""
-    s = int(round(seconds))
-    if s == 0:
-        return "0"
-    if abs(s) < 60:
-        return f"{s}s"
-    if abs(s) < 3600:
-        m, r = divmod(s, 60)
-        return f"{m}m" if not r else f"{m}m{r:02d}"
-    if abs(s) < 86400:
-        h, r = divmod(s, 3600)
-        return f"{h}h" if r < 60 else f"{h}h{r // 60:02d}"
-    d, r = divmod(s, 86400)
-    return f"{d}d" if r < 3600 else f"{d}d{r // 3600}h"
-
-
-def number(v: float) -> str:
-    """A tick value in at most about 5 characters: `0.012`, `2.5`, `950`, `48.5k`, `1.2M`."""
-    a = abs(v)
-    if a == 0:
-        return "0"
-    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if a >= div:
-            return f"{v / div:.3g}{suffix}"
-    if a >= 1:
-        return f"{v:.3g}"
-    if a < 0.01:
-        mantissa, _, exp = f"{v:.1e}".partition("e")
-        return f"{mantissa}e{int(exp)}"  # 3e-4 rather than 0.0003: a learning rate stays short
-    return f"{v:.2g}"
+def _unit_under_y_ticks(row: Text, unit: str, gutter: int, surface: str | None) -> Text:
+    """The x tick row with the clock's face ("h:mm", "m:ss") in the corner under the y ticks
+    (`gutter` cells wide), where it names the ticks right of it; the row as it was when a tick's
+    label reaches into that corner."""
+    head = unit.rjust(gutter)
+    blank = len(row.plain) - len(row.plain.lstrip(" "))
+    if blank < len(head) + 1:
+        return row
+    return Text(head, style="dim" + (f" on {surface}" if surface else "")) + row[len(head) :]
 
 
 class CurvePlot(PlotextPlot):
@@ -127,54 +106,129 @@ class CurvePlot(PlotextPlot):
         self.title = title
         self.short = short or title  # the label of a lone sparkline
         self.lines: list[Line] = []
+        self.drawn: list[Drawn] = []
         self.x_kind = "time"
         self.unit = ""  # appended to the y figures in the sparkline fallback
         self.note = ""  # said instead of a plot when there are no points
+        self.log_y = False  # a log y axis, when every value is above zero
+        self.smoothing = 0.0  # TensorBoard's EMA weight; 0: the raw series alone
+        self.with_legend = True  # False: the screen names the lines (overlaid runs)
 
-    def show(self, title: str, lines: list[Line], x_kind: str = "time", note: str = "") -> None:
+    def show(
+        self,
+        title: str,
+        lines: list[Line],
+        x_kind: str = "time",
+        note: str = "",
+        *,
+        log_y: bool = False,
+        smoothing: float = 0.0,
+        legend: bool = True,
+    ) -> None:
         self.title, self.lines, self.x_kind, self.note = title, [ln for ln in lines if ln.xs], x_kind, note
+        self.log_y, self.smoothing, self.with_legend = log_y, smoothing, legend
         self.refresh()
 
     @property
-    def legend(self) -> bool:
-        """Labels inside the plot only when it is big enough that they hide little: a row
-        each, at most a third of the plot."""
-        named = sum(ln.named for ln in self.lines)
-        return self.size.width >= 50 and 1 < named <= (self.size.height - 2) // 3
+    def on_log_axis(self) -> bool:
+        """The y axis is logarithmic: asked for, and every value can be (above zero)."""
+        return self.log_y and axes.log_ready([y for ln in self.lines for y in ln.ys])
+
+    def _legend(self, width: int, height: int) -> tuple[int, list[Text]]:
+        """(its width, one Text per row from the top) of the legend column, or (0, []) when
+        there is nothing to tell apart or no room beside the canvas."""
+        heading, entries = legend_entries(self.lines)
+        if not self.with_legend or len(entries) < 2:
+            return 0, []
+        rows = max(1, height - 2 - (1 if heading else 0))  # under the title, above the x ticks
+        per_row = math.ceil(len(entries) / rows)
+        cell = max(len(e) for e, _ in entries) + (3 if per_row == 1 else 2)
+        col = max(per_row * cell, len(heading)) + 1
+        if col > width // 3:
+            return 0, []
+        out = [Text(" ")] + ([Text(" " + heading, style="dim")] if heading else [])
+        for i in range(0, len(entries), per_row):
+            row = Text(" ")
+            for entry, c in entries[i : i + per_row]:
+                mark = LEGEND_MARK + (" " if per_row == 1 else "")
+                row.append(mark, style=colour(c)[1])
+                row.append(entry.ljust(cell - len(mark)))
+            out.append(row)
+        return col, out
 
     def render(self):
         width, height = self.size.width, self.size.height
         if not self.lines:
+            self.drawn = []
             return Text.assemble((self.title, "bold"), "\n", (self.note or "no samples", "dim"))
         if height < MIN_PLOT_HEIGHT or width < MIN_PLOT_WIDTH:
+            self.drawn = [Drawn(ln.label, ln.xs, ln.ys) for ln in self.lines]
             return self._sparklines(width, height)
+        legend_w, legend = self._legend(width, height)
+        time_unit = ""
+        log = self.on_log_axis
+        to_y = math.log10 if log else float
         plt = self.plt
         plt.clear_figure()
         plt.frame(False)
-        plt.title(self.title)
+        plt.title(self.title + ("  (log)" if log else ""))
+        self.drawn = []
         for ln in self.lines:
-            kw = {"label": ln.label} if self.legend and ln.named else {}
-            plt.plot(ln.xs, ln.ys, marker="braille", color=colour(ln.colour)[0], **kw)
+            smoothed = axes.ema(ln.ys, self.smoothing) if self.smoothing > 0 and len(ln.ys) > 2 else None
+            if smoothed is not None:
+                self.drawn.append(Drawn(ln.label, ln.xs, ln.ys, faint=True))
+                plt.plot(ln.xs, [to_y(y) for y in ln.ys], marker="braille", color=colour(ln.colour)[2])
+            ys = smoothed if smoothed is not None else ln.ys
+            self.drawn.append(Drawn(ln.label, ln.xs, ys))
+            plt.plot(ln.xs, [to_y(y) for y in ys], marker="braille", color=colour(ln.colour)[0])
         xs = [x for ln in self.lines for x in ln.xs]
         ys = [y for ln in self.lines for y in ln.ys if math.isfinite(y)]
         ylo, yhi = (min(ys), max(ys)) if ys else (0.0, 1.0)
         rows = height - (2 if height >= 6 else 1)  # title, and the x ticks when there is room
-        yt = nice_ticks(ylo, yhi, max(2, min(5, rows // 2)))
+        most = max(2, min(5, rows // 2))
+        yt = axes.log_ticks(ylo, yhi, most) if log else axes.nice_ticks(ylo, yhi, most)
         if len(yt) < 2:
             yt = [ylo, yhi] if ylo < yhi else [ylo]
         if ylo < yhi:
-            plt.ylim(ylo, yhi)
-        plt.yticks(yt, [number(t) for t in yt])
+            plt.ylim(to_y(ylo), to_y(yhi))
+        plt.yticks([to_y(t) for t in yt], [number(t) for t in yt])
         xlo, xhi = min(xs), max(xs)
         if xlo < xhi:
             plt.xlim(xlo, xhi)
         if height >= 6:
-            most = max(2, min(6, width // 10))
-            xt = time_ticks(xlo, xhi, most) if self.x_kind == "time" else nice_ticks(xlo, xhi, most)
-            plt.xticks(xt, [elapsed(t) if self.x_kind == "time" else number(t) for t in xt])
+            most = max(2, min(6, (width - legend_w) // 10))
+            if self.x_kind == "time":
+                xt = axes.time_ticks(xlo, xhi, most)
+                unit = axes.clock_unit(xhi - xlo)
+                plt.xticks(xt, [axes.clock(t, unit) for t in xt])
+                time_unit = unit
+            else:
+                xt = axes.nice_ticks(xlo, xhi, most)
+                plt.xticks(xt, [number(t) for t in xt])
         else:
             plt.xticks([])
-        return super().render()
+        canvas_w = width - legend_w
+        plt.plotsize(canvas_w, height)
+        plt._set_size(canvas_w, height)
+        plt.theme(self._get_plotext_theme_name(self.app.theme))
+        text = Text.from_ansi(plt.build())
+        surface = self.app.theme_variables.get("surface")
+        rows_out = text.split("\n", allow_blank=True)
+        ticks = max((i for i, row in enumerate(rows_out) if row.plain.strip()), default=None)
+        if time_unit and ticks is not None:
+            gutter = max(len(number(t)) for t in yt)
+            rows_out[ticks] = _unit_under_y_ticks(rows_out[ticks], time_unit, gutter, surface)
+        if not legend:
+            return Text("\n").join(rows_out)
+        # The legend on the canvas's own background (plotext paints the theme's surface).
+        for i, row in enumerate(rows_out):
+            row.pad_right(canvas_w - row.cell_len)
+            cell = legend[i].copy() if i < len(legend) else Text()
+            cell.pad_right(legend_w - cell.cell_len)
+            if surface:
+                cell.stylize(f"on {surface}")
+            row.append_text(cell)
+        return Text("\n").join(rows_out)
 
     def _sparklines(self, width: int, height: int) -> Text:
         """One row per line: its label, a sparkline and its newest value."""

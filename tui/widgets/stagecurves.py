@@ -2,7 +2,9 @@
 
 It takes the room the screen leaves (at 80x24 a few rows, where each curve becomes a titled
 braille plot or, below four rows, a sparkline) and hides itself when the stage has neither
-curve, so that the screen's layout is the one it had before.
+curve, so that the screen's layout is the one it had before. Each curve is drawn as the
+Metrics screen first draws it (eyas.state.axes): the loss on a log axis, both smoothed with
+the raw series faint behind.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import time
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal
+
+from eyas.state import axes
 
 from .. import curves
 from .curves import CurvePlot
@@ -56,5 +60,11 @@ class StageCurves(Horizontal):
             lines = self.lines[k]
             plot.display = bool(lines)
             plot.unit = curves.BY_KEY[k].unit
-            plot.show(curves.title(curves.BY_KEY[k], lines, False), lines, "time")
+            plot.show(
+                curves.title(curves.BY_KEY[k], lines, False),
+                lines,
+                "time",
+                log_y=k in axes.LOG_Y,
+                smoothing=axes.DEFAULT_SMOOTHING if k in axes.SMOOTHED else 0.0,
+            )
         self.set_class(any(self.lines.values()), "shown")

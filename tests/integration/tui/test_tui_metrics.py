@@ -1,14 +1,16 @@
 """The curves in the app: two runs marked on the Runs screen and overlaid on the Metrics screen,
-the x axis switched to steps, and the Run screen's `m` and curves panel, against what the
-deterministic store (tui_world) holds."""
+the x axis switched to steps, the losses' log axis and the smoothing with their keys, the reason
+an empty GPU plot gives, and the Run screen's `m` and curves panel, against what the
+deterministic store (tui_world) holds (and a real daemon, for what it knows of GPUs)."""
 
 from __future__ import annotations
 
 import pytest
 import tui_world as world
+from daemon_harness import daemon, selftest_toml  # noqa: F401 (fixture)
 from tui_world import cell_texts, until
 
-from eyas.state import paths, queries
+from eyas.state import axes, paths, queries
 from eyas.tui.app import EyasApp
 from eyas.tui.screens.metrics import MetricsScreen
 from eyas.tui.screens.run import RunScreen
@@ -135,3 +137,65 @@ async def test_run_screen_without_the_panel(home):
         await app.push_screen(screen)
         await until(pilot, lambda: screen.run is not None, what="the run")
         assert not screen.query(StageCurves)
+
+
+async def test_losses_on_a_log_axis_smoothed_and_the_keys_that_change_it(home):
+    app = _app(home)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await until(pilot, lambda: app.screen.query("DataTable"), what="runs")
+        screen = MetricsScreen([1])
+        await app.push_screen(screen)
+        loss = await until(pilot, lambda: (p := screen.query_one("#plot-loss", CurvePlot)).drawn and p, what="loss")
+        acc = screen.query_one("#plot-acc", CurvePlot)
+        lr = screen.query_one("#plot-lr", CurvePlot)
+        raw = loss.lines[0].ys
+        # By default: the loss on a log axis, smoothed (TensorBoard's 0.6) over its raw series.
+        assert loss.on_log_axis and not lr.on_log_axis and not acc.on_log_axis
+        assert [(d.faint, d.ys) for d in loss.drawn] == [(True, raw), (False, axes.ema(raw, 0.6))]
+        assert [d.label for d in acc.drawn if not d.faint] == ["step 0", "step 1", "step 2"]
+        assert [d.faint for d in lr.drawn] == [False]  # a learning rate is not noisy: as it is
+        assert "loss: log" in str(screen.query_one("#legend").render())
+
+        await pilot.press("y")
+        await until(pilot, lambda: not loss.on_log_axis, what="a linear loss axis")
+        assert "loss: linear" in str(screen.query_one("#legend").render())
+        await pilot.press("e")
+        await until(pilot, lambda: screen.smoothing == 0.9, what="stronger smoothing")
+        await pilot.pause()
+        assert loss.drawn[1].ys == axes.ema(raw, 0.9)
+        await pilot.press("e")
+        await until(pilot, lambda: screen.smoothing == 0, what="no smoothing")
+        await pilot.pause()
+        assert [(d.faint, d.ys) for d in loss.drawn] == [(False, raw)]
+        assert "smoothing: off" in str(screen.query_one("#legend").render())
+
+
+async def test_the_gpu_plot_of_a_cpu_stage_says_why_it_is_empty(home):
+    world.add_cpu_curves(home)
+    app = _app(home)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: app.screen.query("DataTable"), what="runs")
+        screen = MetricsScreen([4])
+        await app.push_screen(screen)
+        await until(pilot, lambda: screen.query_one("#plot-loss", CurvePlot).lines, what="the loss")
+        gpu = screen.query_one("#plot-gpu_mem", CurvePlot)
+        assert not gpu.lines and gpu.note == "no GPUs: this stage ran on CPU"
+        assert screen.query_one("#plot-lr", CurvePlot).note == "no samples"
+        # Two ranks wrote a loss each: told apart by rank, each in its colour.
+        loss = screen.query_one("#plot-loss", CurvePlot).lines
+        assert [(ln.label, ln.colour) for ln in loss] == [("rank 0", 0), ("rank 1", 1)]
+
+
+async def test_a_daemon_that_sees_no_gpu_says_so(daemon):  # noqa: F811 (fixture)
+    run_id = daemon.submit(selftest_toml("cpu", ranks=1, options={"steps": 4, "step_time": 0.3}))
+    daemon.wait_succeeded(run_id)
+    sees_gpus = daemon.request("status")["gpu"]
+    app = EyasApp(daemon.home, socket=daemon.socket)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: app.link.connected, what="the connection")
+        screen = MetricsScreen([run_id])
+        await app.push_screen(screen)
+        gpu = await until(pilot, lambda: screen.query_one("#plot-gpu_mem", CurvePlot), what="the plot")
+        await until(pilot, lambda: screen.query_one("#plot-loss", CurvePlot).lines, what="the loss")
+        # This host's NVML (through the daemon's status), else the attempt's devices (none: "cpu").
+        assert gpu.note == ("no GPUs: this stage ran on CPU" if sees_gpus else "no GPUs on this host")

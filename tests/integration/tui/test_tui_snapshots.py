@@ -121,3 +121,23 @@ def test_metrics_two_runs_overlaid_by_step(snap_compare, app, size):
         await _settle(pilot)
 
     assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=["80x24", "160x48"])
+def test_metrics_linear_and_raw(snap_compare, app, size):
+    """`y` puts the losses on a linear axis, `e` twice turns the smoothing off: the raw series."""
+
+    async def run_before(pilot):
+        await _screen(lambda: MetricsScreen([1]), _plotted)(pilot)
+        await pilot.press("y", "e", "e")
+        await until(pilot, lambda: not pilot.app.screen.log_y and pilot.app.screen.smoothing == 0, what="the keys")
+        await _settle(pilot)
+
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=["80x24", "160x48"])
+def test_metrics_cpu_run(snap_compare, app, size):
+    """A stage that ran on no GPU: its GPU plot says so, and its 30 seconds read as m:ss."""
+    world.add_cpu_curves(world.snapshot_home())
+    assert snap_compare(app, terminal_size=size, run_before=_screen(lambda: MetricsScreen([4]), _plotted))
