@@ -2,15 +2,17 @@
 
 It reads what the doctor reads, with json and the stdlib (eyas.workers.doctor.target: config.json
 and the safetensors index; resources.probe_gpus: NVML), and never an engine: the CLI loads no
-torch. The decisions are cli/initplan.py's arithmetic; the defaults it does not decide are the run
-config's own (state/runconfig.py), read from its models rather than repeated here.
+torch. The decisions are cli/initplan.py's arithmetic, and [train]'s schedule is sized to the
+data's rows (cli/datasize.py counts them, state/trainsteps.py sizes); the defaults it does not
+decide are the run config's own (state/runconfig.py), read from its models rather than repeated here.
 
 --data is required: prepare reads it and `eyas validate` checks that it exists, so a placeholder
 would make a file that fails validation. The config is validated before it is written; a
 rejected one is not written at all.
 
-Exit status: 0 written; 1 refused (the file exists, the target fits no GPU count given); 2 bad
-input (no target, no data, a config that would not validate).
+Exit status: 0 written (data too small for a useful draft is said on stderr and in the file);
+1 refused (the file exists, the target fits no GPU count given); 2 bad input (no target, no data,
+a config that would not validate).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.cli import initplan
-from eyas.state import runconfig
+from eyas.state import runconfig, trainsteps
 from eyas.state.specs import DEFAULT_PIPELINE
 from eyas.state.target import default_layer_ids, text_value
 from eyas.workers.doctor.check import human_bytes
@@ -174,6 +176,33 @@ def _data_tokens(path: Path) -> int | None:
     except DataError:
         return None
     return sum(f.stat().st_size for f in files) // BYTES_PER_TOKEN
+
+
+def _train_keys(args, data_path: Path, facts, max_length: int, fraction: float, ranks: int, train):
+    """[train]'s epochs, lr, batch_tokens and warmup_steps sized to the data (state/trainsteps.py),
+    with their reasons; comment lines come as ("#", None, text). A warning for data too small
+    for a useful draft goes to `args.warnings` too, for the terminal."""
+    from eyas.cli import datasize
+
+    data = runconfig.DataConfig(path=str(data_path), max_length=max_length, validation_fraction=fraction)
+    found = datasize.estimate(data, str(Path(facts.path)), train.seed)
+    if found is None or not found.train:
+        why = "no data rows to count steps from: the run config's defaults"
+        return [
+            ("#", None, why),
+            ("epochs", train.epochs, "passes over the data"),
+            ("lr", train.lr, "AdamW, then decay"),
+            ("batch_tokens", train.batch_tokens, "samples packed up to this many tokens per rank and step"),
+            ("warmup_steps", train.warmup_steps, "no steps counted: no warmup"),
+        ]
+    sched = trainsteps.size(found.train, ranks, train.seed)
+    out = [("#", None, initplan.sizing_comment(sched, len(found.train), found.source))]
+    if sched.too_small:
+        warning = initplan.too_small(sched, found.answer_tokens, ranks)
+        if isinstance(getattr(args, "warnings", None), list):
+            args.warnings.append(warning)
+        out.append(("#", None, f"WARNING: {warning}."))
+    return out + initplan.train_keys(sched)
 
 
 def _dtype(cfg: dict) -> tuple[str, str]:
@@ -360,20 +389,9 @@ def render(
     lines += _key("num_layers", draft.num_layers, "one decoder layer, EAGLE-3's usual head")
     lines += _key("ttt_steps", draft.ttt_steps, "train this many steps ahead (test-time training)")
 
-    lines += ["", "[train]", *_key("epochs", train.epochs, "passes over the data, as in the examples")]
-    lines += _key("lr", train.lr, "AdamW, then decay; eyas's and speculators' default for EAGLE-3 heads")
-    lines += _key("batch_tokens", train.batch_tokens, "samples packed up to this many tokens per rank and step")
-    if tokens:
-        sched = initplan.schedule(tokens, train.epochs, train.batch_tokens, ranks, fraction)
-        warmup, warmup_why = (
-            sched.warmup_steps,
-            f"{initplan.WARMUP_FRACTION:.0%} of ~{sched.total_steps} steps: {train.epochs} epochs × "
-            f"~{sched.steps_per_epoch} (~{tokens} tokens less {fraction:.0%} held out ÷ "
-            f"({train.batch_tokens} tokens × {ranks} rank{'s' if ranks != 1 else ''}))",
-        )
-    else:
-        warmup, warmup_why = train.warmup_steps, "no data file to count steps from: no warmup"
-    lines += _key("warmup_steps", warmup, warmup_why)
+    lines += ["", "[train]"]
+    for key, value, why in _train_keys(args, data_path, facts, max_length, fraction, ranks, train):
+        lines += _comment(why) if key == "#" else _key(key, value, why)
     lines += _key("grad_clip", train.grad_clip, "the gradient norm's bound")
     lines += _key("seed", train.seed, "data order, validation split and initial weights")
     lines += _key("strategy", train.strategy, "DDP: a 1-layer draft fits each rank whole")
@@ -437,6 +455,7 @@ def command(args) -> int:
                 f"no model.safetensors.index.json nor model.safetensors in {target}: the weights' size "
                 "sizes the tensor parallelism; use a safetensors checkpoint (or --gpus 0 for CPU)",
             )
+        args.warnings = []
         try:
             text = render(args, facts, remote, gpus, gpu_memory, source, out, gpu_name)
         except initplan.NoFit as exc:
@@ -449,5 +468,7 @@ def command(args) -> int:
         print(f"eyas init: {exc}", file=sys.stderr)
         return exc.code
     print(f"wrote {out}: {source}")
+    for warning in args.warnings:
+        print(f"eyas init: warning: {warning}", file=sys.stderr)
     print(f"next: eyas validate {out}; eyas doctor {out}; eyas submit {out} --follow")
     return 0

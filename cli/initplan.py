@@ -1,4 +1,4 @@
-"""The arithmetic of `eyas init`: where the extraction runs (backend, tensor-parallel size, ranks) and how long training warms up, as pure functions of the target's numbers and the GPUs'.
+"""The arithmetic of `eyas init`: where the extraction runs (backend, tensor-parallel size, ranks), as pure functions of the target's numbers and the GPUs', and the words for the training schedule state/trainsteps.py sizes to the data.
 
 No file, no NVML, no engine: cli/init.py reads the target and counts the GPUs, this module
 decides, and its tests feed it numbers. Every decision carries the sentence that justifies it,
@@ -13,14 +13,14 @@ idle GPUs, and init refuses exactly when no TP up to the GPU count does.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+from eyas.state import trainsteps
 from eyas.workers.doctor.check import human_bytes
 
 DRAFT_VOCAB = 32000  # EAGLE-3's usual draft vocabulary (speculators' default)
-WARMUP_FRACTION = 0.05  # of the optimizer steps
 
 
 class NoFit(ValueError):
@@ -116,17 +116,43 @@ def draft_vocab(target_vocab: int | None) -> int:
     return DRAFT_VOCAB if target_vocab is None else min(DRAFT_VOCAB, target_vocab)
 
 
-@dataclass(frozen=True)
-class Schedule:
-    steps_per_epoch: int
-    total_steps: int
-    warmup_steps: int
+def train_keys(sched: trainsteps.Schedule) -> list[tuple[str, Any, str]]:
+    """[train]'s sized keys as (key, value, why), in the order init writes them."""
+    steps = f"~{sched.total_steps} steps: {sched.epochs} epochs × ~{sched.steps_per_epoch}"
+    low, high = trainsteps.LR_RANGE
+    lr_why = (
+        f"{_sci(high)} × √({trainsteps.MIN_STEPS} ÷ {sched.total_steps} steps), within {_sci(low)}..{_sci(high)}: "
+        "the shorter the run, the longer its steps; AdamW, then decay"
+    )
+    return [
+        ("epochs", sched.epochs, f"passes over the data: {steps} steps an epoch"),
+        ("lr", sched.lr, lr_why),
+        ("batch_tokens", sched.batch_tokens, "samples packed up to this many tokens per rank and step"),
+        ("warmup_steps", sched.warmup_steps, f"{trainsteps.WARMUP_FRACTION:.0%} of the ~{sched.total_steps} steps"),
+    ]
 
 
-def schedule(tokens: int, epochs: int, batch_tokens: int, ranks: int, validation_fraction: float) -> Schedule:
-    """Optimizer steps from the training tokens (each step takes `batch_tokens` per rank), and a
-    warmup of WARMUP_FRACTION of them."""
-    train_tokens = int(tokens * (1 - validation_fraction))
-    per_epoch = max(1, math.ceil(train_tokens / (batch_tokens * max(ranks, 1))))
-    total = per_epoch * epochs
-    return Schedule(per_epoch, total, round(total * WARMUP_FRACTION))
+def _sci(x: float) -> str:
+    return f"{x:.0e}".replace("e-0", "e-")
+
+
+def sizing_comment(sched: trainsteps.Schedule, rows: int, source: str) -> str:
+    """The sentences above [train]'s keys: the rule, what it was applied to, and (for data that
+    is not too small) how it came to these values."""
+    outcome = "" if sched.too_small else f" {sched.why[0].upper()}{sched.why[1:]}."
+    return (
+        f'Sized to the data (README, "Sizing training to the data"): at least {trainsteps.MIN_STEPS} optimizer '
+        f"steps, counted with training's own packing on {rows} training rows of ~{sched.tokens} tokens, {source}."
+        f"{outcome} eyas validate counts the steps again, on the prepared dataset once prepare has run."
+    )
+
+
+def too_small(sched: trainsteps.Schedule, answer_tokens: int, ranks: int) -> str:
+    """What init says, in the file and on the terminal, of data too small for a useful draft."""
+    need = trainsteps.too_small_tokens(ranks, sched.batch_tokens)
+    return (
+        f"the data is too small for a useful draft: ~{sched.tokens} training tokens (~{answer_tokens} of "
+        f"assistant answers); {sched.why}. This schedule stops at {sched.epochs} epochs, ~{sched.total_steps} "
+        f"steps. About {need} training tokens or more reach {trainsteps.MIN_STEPS} steps within "
+        f"{trainsteps.MAX_EPOCHS} epochs: add data"
+    )

@@ -17,6 +17,7 @@ import pytest
 from doctor_models import EYAS, H200, make_model, tokenizer_files  # noqa: F401 (tokenizer_files: fixture)
 
 from eyas.cli import init, initplan
+from eyas.state import trainsteps
 from eyas.state.runconfig import DataConfig, ExtractConfig, RunConfig, TargetConfig
 from eyas.workers.doctor import resources
 from eyas.workers.doctor.check import Check
@@ -227,10 +228,19 @@ def test_llama_shaped_target(tmp_path, monkeypatch, gpus, memory):
     assert run["resources"] == {"ranks": gpus, "devices": list(range(gpus))}
     assert run["draft"]["vocab_size"] == min(initplan.DRAFT_VOCAB, vocab)
     assert run["target"]["trust_remote_code"] is False
-    # The warmup: a fraction of the steps the data's estimated tokens make.
-    tokens = (tmp_path / "chat.jsonl").stat().st_size // 4
-    steps = initplan.schedule(tokens, run["train"]["epochs"], run["train"]["batch_tokens"], gpus, 0.05)
-    assert run["train"]["warmup_steps"] == steps.warmup_steps
+    # Training sized to the data (tests/integration/cli/test_init_sizing.py holds it to the real
+    # plan): the steps the config states are state/trainsteps.py's count of its own keys, on the
+    # rows estimated from the text (no tokenizer.json here: its bytes ÷ 4), and warm up for 5 %.
+    from eyas.cli import datasize
+
+    text = (tmp_path / "run.toml").read_text()
+    stated = int(text.split("# passes over the data: ~", 1)[1].split(" steps", 1)[0])
+    rows = datasize.estimate(DataConfig(path=str(tmp_path / "chat.jsonl")), str(target), 0)
+    assert "4 bytes a token (the target has no tokenizer.json)" in rows.source
+    train = run["train"]
+    assert stated == trainsteps.total_steps(rows.train, train["batch_tokens"], gpus, train["epochs"])
+    assert train["warmup_steps"] == round(0.05 * stated)
+    assert (stated >= trainsteps.MIN_STEPS) != ("# WARNING: the data is too small for a useful draft" in text)
 
 
 def test_a_second_init_onto_the_same_file_is_refused_and_leaves_it_unchanged(tmp_path, demo_target):

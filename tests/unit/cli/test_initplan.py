@@ -174,13 +174,3 @@ def test_the_reason_shows_the_doctors_arithmetic():
 def test_the_draft_vocabulary_is_capped_at_the_targets(vocab):
     expected = initplan.DRAFT_VOCAB if vocab is None else min(initplan.DRAFT_VOCAB, vocab)
     assert initplan.draft_vocab(vocab) == expected
-
-
-@pytest.mark.parametrize(("tokens", "ranks"), [(116_250, 8), (10_000_000, 1), (10_000_000, 8), (1, 1)])
-def test_the_schedule_counts_the_steps_and_warms_up_for_a_fraction_of_them(tokens, ranks):
-    epochs, batch_tokens, held_out = 3, 8192, 0.05
-    s = initplan.schedule(tokens, epochs, batch_tokens, ranks, held_out)
-    per_epoch = max(1, math.ceil(int(tokens * (1 - held_out)) / (batch_tokens * ranks)))
-    assert (s.steps_per_epoch, s.total_steps) == (per_epoch, per_epoch * epochs)
-    assert s.warmup_steps == round(initplan.WARMUP_FRACTION * s.total_steps)
-    assert 0 <= s.warmup_steps < s.total_steps
