@@ -18,13 +18,15 @@ from eyas.workers.extract import hswriter
 from eyas.workers.extract.output import HIDDEN_STATES_DIR, TargetInfo, claim_output, finish, identity
 from eyas.workers.extract.plan import Settings, Stats, check_row, load_dataset, plan_batches, resume, row_lengths
 from eyas.workers.runtime import phases
-from eyas.workers.runtime.cpu_share import share_cpus
+from eyas.workers.runtime.cpu_share import passive_waits, share_cpus
 
 log = logging.getLogger("eyas.extract")
 
 
 def main(ctx, settings: Settings) -> None:
     """Backend `hf`: this rank loads the target and writes the files of its own batches."""
+    if settings.device == "cpu":
+        passive_waits()  # before anything loads torch (the dataset does)
     from eyas.workers.models import hf_target
 
     # Fail at once on an unknown architecture, before the dataset or any weight is read.

@@ -103,6 +103,12 @@ def settings(ctx):
 
 
 def main(ctx) -> None:
+    from eyas.state.runconfig import ResourcesConfig
+
+    if ResourcesConfig.model_validate((ctx.config or {}).get("resources") or {}).devices == "cpu":
+        from eyas.workers.runtime.cpu_share import passive_waits
+
+        passive_waits()  # before settings() loads torch (eyas.workers.train's modules import it)
     s = settings(ctx)
     from eyas.workers.train.loop import Trainer
 
