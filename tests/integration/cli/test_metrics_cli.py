@@ -186,7 +186,7 @@ def test_show_plot_says_why_a_cpu_run_has_no_gpu_curve(tmp_path):
 
 def test_bad_smoothing_weight(home):
     p = eyas(home, "show", "1", "--plot", "--smooth", "1.5")
-    assert p.returncode == 2 and "--smooth 1.5" in p.stderr
+    assert p.returncode == 2 and "--smooth 1.5: use a weight from 0 (off) to below 1" in p.stderr
 
 
 def test_show_plot_without_curves(home):
