@@ -21,8 +21,9 @@ from eyas.state.runconfig import DataConfig
 
 BYTES_PER_TOKEN = 4  # without a tokenizer, as the doctor estimates (workers/doctor/resources.py)
 # Past this many bytes of rows the rest of the data is not read: the rows read stand for the
-# others (their lengths repeated over the file's row count); such data is far above MIN_STEPS.
-SAMPLE_BYTES = 64 << 20
+# others (their lengths repeated for the files' remaining bytes); such data is far above MIN_STEPS,
+# and reading all of a large dataset would take init and validate minutes.
+SAMPLE_BYTES = 16 << 20
 
 # Run by `python -c` in a child: every row's seq_len, in the dataset's order, as one JSON list.
 _READ_SEQ_LEN = """
@@ -80,7 +81,7 @@ def estimate(data: DataConfig, target: str | None, seed: int) -> Lengths | None:
     count = _counter(target)
     limit = reader.row_byte_limit(data.max_length)
     lengths: list[int] = []
-    answers = read = used = 0
+    answers = used = 0
     sampled = False
     try:
         for raw in reader.read_rows(files, limit):
@@ -89,21 +90,19 @@ def estimate(data: DataConfig, target: str | None, seed: int) -> Lengths | None:
             if used >= SAMPLE_BYTES:
                 sampled = True
                 break
-            read += 1
             if raw.error is not None:
                 continue
+            used += len(json.dumps(raw.value, ensure_ascii=False).encode("utf-8", "surrogatepass")) + 1
             try:
                 item = reader.normalize(raw.value, data.format, 1 << 31)
             except reader.RowError:
                 continue
             if isinstance(item, reader.Tokens):
                 n, a = len(item.input_ids), sum(1 for m in item.loss_mask[: data.max_length] if m)
-                used += 8 * n
             else:
                 sizes = count([m["content"] for m in item.messages])
                 n = sum(sizes)
                 a = sum(s for s, m in zip(sizes, item.messages) if m["role"] == "assistant")
-                used += sum(len(m["content"]) for m in item.messages)
             lengths.append(max(1, min(n, data.max_length)))
             answers += min(a, data.max_length)
     except reader.DataError:
@@ -112,14 +111,18 @@ def estimate(data: DataConfig, target: str | None, seed: int) -> Lengths | None:
         return Lengths([], 0, f"estimated from {data.path}: no usable row", False)
     how = count.how
     if sampled:
-        # The rows read stand for the rest, at the share of them that was usable.
-        total = reader.count_rows(files, limit)
+        # The rows read stand for the rest, at their bytes per row (JSON written back: near the file's).
+        total = sum(f.stat().st_size for f in files)
+        rows = max(len(lengths), round(len(lengths) * total / used))
         if data.limit:
-            total = min(total, data.limit)
-        rows = max(len(lengths), round(total * len(lengths) / read))
+            rows = min(rows, data.limit)
         answers = round(answers * rows / len(lengths))
-        lengths = [lengths[i % len(lengths)] for i in range(rows)]
-        how += f", the first {SAMPLE_BYTES >> 20} MiB of rows standing for all {rows}"
+        # The held-out share comes off the end: which rows prepare holds out matters nothing here,
+        # and its hash of every row would take seconds on millions.
+        held = min(rows - 1, max(1, round(rows * data.validation_fraction))) if data.validation_fraction > 0 else 0
+        train = [lengths[i % len(lengths)] for i in range(rows - held)]
+        how += f", the first {SAMPLE_BYTES >> 20} MiB of rows standing for all ~{rows}"
+        return Lengths(train, answers, f"estimated from {data.path}: {how}", False)
     train = trainsteps.training_lengths(lengths, data.validation_fraction, seed)
     return Lengths(train, answers, f"estimated from {data.path}: {how}", False)
 

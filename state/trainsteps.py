@@ -46,7 +46,7 @@ DEFAULT_BATCH_TOKENS = 8192  # the run config's train.batch_tokens, speculators'
 MIN_BATCH_TOKENS = 1024
 LR_RANGE = (1e-4, 1e-3)  # the run config's train.lr; speculators' default lr
 WARMUP_FRACTION = 0.05
-# Past this many rows an epoch is packed on the first PACK_ROWS of its shuffle and scaled: the
+# Past this many rows an epoch is packed on PACK_ROWS of them drawn at random and scaled: the
 # count is then far above MIN_STEPS, and packing a million rows in Python takes seconds an epoch.
 PACK_ROWS = 100_000
 
@@ -104,14 +104,17 @@ def epoch_steps(lengths: Sequence[int], batch_tokens: int, world_size: int, seed
     as training shuffles with seed + epoch); 0 when there are fewer rows than ranks."""
     if len(lengths) < world_size or world_size < 1:
         return 0
-    order = list(range(len(lengths)))
-    random.Random(seed + epoch).shuffle(order)
-    part = order[:PACK_ROWS]
+    rng, n = random.Random(seed + epoch), len(lengths)
+    if n > PACK_ROWS:  # PACK_ROWS rows drawn at random, in random order: a shuffle's prefix
+        part = rng.sample(range(n), PACK_ROWS)
+    else:
+        part = list(range(n))
+        rng.shuffle(part)
     if world_size == 1:  # one bin: LPT fits a run of samples iff their sum does
         steps = _greedy_steps([min(lengths[i], batch_tokens) for i in part], batch_tokens)
     else:
         steps = len(pack([lengths[i] for i in part], batch_tokens, world_size))
-    return steps if len(part) == len(order) else round(steps * len(order) / len(part))
+    return steps if len(part) == n else round(steps * n / len(part))
 
 
 def _greedy_steps(sizes: list[int], budget: int) -> int:
