@@ -57,10 +57,12 @@ def _attempts(run: dict) -> list[dict]:
 
 def test_the_target_rewrites_every_turn_and_counts_them(reference):
     s, out = reference["summary"], reference["out"]
-    # The engine's TP worker was a rank of the attempt, with its own log.
+    # The engine's TP worker registered with the daemon (extract's extension), and its lines
+    # were split from the driver's into a log of its own.
     (attempt,) = _attempts(reference["run"])
-    assert [r["role"] for r in attempt["ranks"]] == ["driver", "tp-worker"]
-    assert (Path(attempt["dir"]) / "tp-0.log").stat().st_size > 0
+    proc = json.loads((Path(attempt["dir"]) / "tp-0.proc.json").read_text())
+    assert (proc["tp_rank"], proc["driver_rank"]) == (0, 0)
+    assert f"(Worker_TP0 pid={proc['pid']})" in (Path(attempt["dir"]) / "tp-0.log").read_text()
     assert _stage(reference["run"], "regenerate")["tok_s"] > 0  # generated tokens, through the progress file
     assert (s["rows"], s["rows_out"], s["rows_failed"], s["batches"]) == (ROWS, ROWS, 0, BATCHES)
     # The fitted target ends some answers itself and runs past max_tokens on others.
