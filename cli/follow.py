@@ -2,8 +2,11 @@
 
 On a terminal, rich's live bars, one per stage. Anywhere else (a pipe, a file, a CI log), where
 rich's live display writes nothing until it stops: one timestamped line per stage change as it
-happens, and a progress line per running stage every EVERY_S seconds (`EYAS_FOLLOW_EVERY`
-overrides it). Either way, an attempt that fails is told root cause first, as the store has it
+happens, and a progress line per running stage when what it says changed (its progress, or the
+phase it waits in), looked at every EVERY_S seconds (`EYAS_FOLLOW_EVERY` overrides it), and at
+least every QUIET_S seconds while nothing changes. A rank's long silent phase (a load, an engine
+start, a wait: its heartbeats, which the daemon's "metric" events carry) is said in place of the
+progress and the ETA. Either way, an attempt that fails is told root cause first, as the store has it
 (daemon/failures.py chose and ordered the records), its rank named as the TUI names it (`rank 2
 (TP worker 1)`, state/display.rank_label), then the attempt's other failures. The signals eyas
 sent while tearing the group down are no failure and are never printed: the daemon records
@@ -23,8 +26,12 @@ from eyas.wire.client import Client
 
 TERMINAL_RUN = ("succeeded", "failed", "cancelled")
 DONE_STAGE = ("succeeded", "skipped")
-# Seconds between two progress lines of a running stage when the output is not a terminal.
+# Seconds between two looks at a running stage's progress when the output is not a terminal.
 EVERY_S = 10.0
+# Seconds a plain follow stays silent about a stage whose progress and phase do not change (at
+# least QUIET_TICKS looks): a line now and then says the follow is alive.
+QUIET_S = 60.0
+QUIET_TICKS = 6
 
 
 def _snapshot(run_id: int) -> dict:
@@ -65,6 +72,8 @@ class Stages:
         self.info = {s["name"]: s["state"] for s in stages}
         self.reason = {s["name"]: s.get("reason") for s in stages}
         self.since = {s["name"]: time.monotonic() for s in stages}
+        self.phases: dict[str, dict] = {}  # each running stage's ranks' open phases, as last sent
+        self.figures: dict[str, str] = {}  # each running stage's figures (tok/s, loss, ETA...)
         self._shown: dict[str, dict] = {}  # the latest loss, accuracy and validation loss of each stage
 
     def moved(self, stage: str, to: str) -> None:
@@ -72,6 +81,8 @@ class Stages:
             self.since[stage] = time.monotonic()
         self.state[stage] = to
         self.info[stage] = to
+        self.phases.pop(stage, None)
+        self.figures.pop(stage, None)
         if to in DONE_STAGE:
             self.progress[stage] = 1.0
 
@@ -79,8 +90,11 @@ class Stages:
         """A metric event: the stage's progress and its line of figures."""
         stage = d["stage"]
         live = d.get("live") or {}
+        if isinstance(d.get("phases"), dict):  # a daemon from before phases sends none
+            self.phases[stage] = d["phases"]
+        waiting = self.waiting(stage)
         bits = []
-        if live.get("tok_s"):
+        if live.get("tok_s") and stage not in queries.NO_RATE_STAGES:
             bits.append(f"{live['tok_s']:,.0f} tok/s")
         latest = {s["name"]: s["value"] for s in d.get("samples", [])}
         shown = self._shown.setdefault(stage, {})
@@ -100,10 +114,30 @@ class Stages:
         ):
             if shown.get(key) is not None:
                 bits.append(label.format(shown[key]))
-        if live.get("eta_s") is not None:
+        if live.get("eta_s") is not None and not waiting:
             bits.append(f"ETA {human_duration(live['eta_s'])}")
         self.progress[stage] = float(live.get("progress") or 0.0)
-        self.info[stage] = "running " + " · ".join(bits)
+        self.figures[stage] = " · ".join(bits)
+        self.info[stage] = "running " + " · ".join(([waiting] if waiting else []) + bits)
+
+    def waiting(self, stage: str) -> str:
+        """What the stage's ranks wait for now (queries.phase_text), "" when no phase is open."""
+        return queries.phase_text(self.phases.get(stage), time.time())
+
+    def line(self, stage: str) -> tuple[tuple, str]:
+        """A running stage's plain progress line, and what must change for the next to say
+        something new: its progress (in whole percent) and the phase it waits in (each rank's
+        phase and its start)."""
+        waiting = self.waiting(stage)  # says for how long itself
+        figures = self.figures.get(stage, "")
+        done = f"{self.progress[stage]:.0%}"
+        if waiting:
+            head = f"{done} · {waiting}" if self.progress[stage] > 0 else waiting
+        else:
+            head = f"{done} after {human_duration(time.monotonic() - self.since[stage])}"
+        phases = self.phases.get(stage) or {}
+        key = (f"{self.progress[stage]:.0%}", sorted((r, p.get("phase"), p.get("since")) for r, p in phases.items()))
+        return key, f"{stage}: {head}" + (f" · {figures}" if figures else "")
 
 
 class LiveView:
@@ -151,6 +185,8 @@ class PlainView:
 
     def __init__(self, out, stages: Stages, every: float):
         self.out, self.stages, self.every = out, stages, every
+        self.quiet = max(QUIET_S, QUIET_TICKS * every)
+        self._said: dict[str, tuple[tuple, float]] = {}  # stage -> (the last line's key, when)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="follow-progress", daemon=True)
@@ -176,6 +212,7 @@ class PlainView:
         """Progress waits for the next tick."""
 
     def moved(self, stage: str, to: str, reason: str) -> None:
+        self._said.pop(stage, None)  # the next look says where the stage stands now
         self.write(f"{stage}: {to}" + (f" ({reason})" if reason else ""))
 
     def failed(self, lines: list[str]) -> None:
@@ -187,9 +224,13 @@ class PlainView:
             for stage, state in list(self.stages.state.items()):
                 if state != "running":
                     continue
-                took = human_duration(time.monotonic() - self.stages.since[stage])
-                info = self.stages.info[stage].removeprefix("running").strip(" ·")
-                self.write(f"{stage}: {self.stages.progress[stage]:.0%} after {took}" + (f" · {info}" if info else ""))
+                key, line = self.stages.line(stage)
+                said = self._said.get(stage)
+                now = time.monotonic()
+                if said is not None and said[0] == key and now - said[1] < self.quiet:
+                    continue  # nothing new: the same "0%" again would only fill the log
+                self._said[stage] = (key, now)
+                self.write(line)
 
 
 def _every() -> float:

@@ -3,7 +3,8 @@
 The daemon never pipes rank output (each rank writes `rank-<r>.log` itself), so this reads
 the files directly and works with the daemon down. Files are streamed line by line and
 merged lazily (heapq.merge), so a log of many GiB costs no memory. A log cut at its bound
-while followed (state/logcut.py) is followed on from its marker line.
+while followed (state/logcut.py) is followed on from its marker line. Without --stage, the stage
+chosen is named on stderr (stdout stays the log's lines).
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def command(args) -> int:
             return 1
         stage = _stage(run, args.stage)
         attempt = _attempt(run, stage, args.attempt)
-        return Follower(db, run, stage, attempt, args, pattern).run()
+        note = _chosen(run, stage) if not args.stage and len(run["stages"]) > 1 else None
+        return Follower(db, run, stage, attempt, args, pattern).run(note)
     except Failure as exc:
         print(f"eyas logs: {exc}", file=sys.stderr)
         return exc.code
@@ -137,6 +139,15 @@ def _stage(run: dict, wanted: str | None) -> dict:
     if not ran:
         raise Failure(f"run {run['id']} has not started a stage yet, so it has no logs")
     return ran[-1]
+
+
+def _chosen(run: dict, stage: dict) -> str:
+    """Which stage `eyas logs RUN` shows, and why, when the user named none."""
+    why = {"running": "the stage running now", "failed": "the stage that failed"}.get(
+        stage["state"], "the last stage that ran"
+    )
+    others = ", ".join(s["name"] for s in run["stages"] if s["name"] != stage["name"])
+    return f"showing {stage['name']}, {why}; --stage NAME for another ({others})"
 
 
 def _attempt(run: dict, stage: dict, number: int | None) -> dict:
@@ -212,11 +223,15 @@ class Follower:
         sys.stdout.write("".join(buf))
         return n
 
-    def run(self) -> int:
+    def run(self, note: str | None = None) -> int:
+        """Print the logs (and with -f, follow them); `note`, which stage this is when the user
+        named none, goes to stderr first."""
         self._discover()
         if not self.logs and not self.args.follow:
             what = f"rank {self.args.rank}" if self.args.rank is not None else "any rank"
             raise Failure(f"no log for {what} in {self.dir} ({self.stage} attempt {self.number})")
+        if note:
+            print(f"eyas logs: {note}", file=sys.stderr, flush=True)
         final = not self.args.follow
         self._write(heapq.merge(*(log.read(final) for log in self.logs.values())))
         if self.args.follow:

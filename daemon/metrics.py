@@ -103,6 +103,14 @@ class Metrics:
                 key = (g.run_id, g.stage, g.attempt)
                 wrote.setdefault(key, {})[str(rank)] = t
                 by_group.setdefault(key, [])
+        # Each rank's open phase (sampler.SampleResult.phases), so that the live views say what a
+        # silent stage waits for: {rank: {"phase", "kind", "since", "budget", "waits"}}.
+        phases: dict[tuple, dict[str, dict]] = {}
+        for (attempt_id, rank), phase in result.phases.items():
+            g = group_of.get(attempt_id)
+            if g is not None:
+                shown = {k: phase.get(k) for k in ("phase", "kind", "since", "budget", "waits")}
+                phases.setdefault((g.run_id, g.stage, g.attempt), {})[str(rank)] = shown
         for (run_id, stage, attempt), rows in by_group.items():
             self.publish(
                 "metric",
@@ -113,6 +121,7 @@ class Metrics:
                     "samples": rows,
                     "live": self.stage_live.get((run_id, stage)),
                     "last_write": wrote.get((run_id, stage, attempt), {}),
+                    "phases": phases.get((run_id, stage, attempt), {}),
                 },
             )
 

@@ -32,6 +32,15 @@ SCHEMA_VERSION = 8
 
 RUN_COLUMNS = ("id", "name", "model", "state", "stage", "started", "duration", "peak_gpu_mem", "tok_s")
 
+# Stages whose tok/s means nothing to a reader (the preflight's canary counts its own few
+# tokens): the listings show no rate for them.
+NO_RATE_STAGES = frozenset({"preflight"})
+
+
+def rate(stage: str | None, tok_s: float | None) -> float | None:
+    """`tok_s` as the listings show it for `stage`: None where it means nothing."""
+    return None if stage in NO_RATE_STAGES else tok_s
+
 
 def _duration(started: float | None, ended: float | None, now: float) -> float | None:
     if not started:
@@ -83,7 +92,7 @@ def list_runs(
                 "started": started or created,
                 "duration": _duration(started, ended, now),
                 "peak_gpu_mem": peak,
-                "tok_s": toks,
+                "tok_s": rate(stage, toks),
             }
         )
     return rows
@@ -110,6 +119,8 @@ def get_run(db: sqlite_utils.Database, run_id: int, *, now: float | None = None)
                 "FROM ranks WHERE attempt_id = ? ORDER BY rank",
                 [a["id"]],
             )
+            for r in ranks:
+                r["tok_s"] = rate(s["name"], r["tok_s"])
             attempts.append(
                 {
                     "number": a["number"],
@@ -138,7 +149,7 @@ def get_run(db: sqlite_utils.Database, run_id: int, *, now: float | None = None)
                 "started_at": s["started_at"],
                 "ended_at": s["ended_at"],
                 "duration": _duration(s["started_at"], s["ended_at"], now),
-                "tok_s": s["tok_s"],
+                "tok_s": rate(s["name"], s["tok_s"]),
                 "peak_gpu_mem": s["peak_gpu_mem"],
                 "summary": json.loads(s["summary_json"]) if s["summary_json"] else None,
                 "attempt_list": attempts,
@@ -159,7 +170,7 @@ def get_run(db: sqlite_utils.Database, run_id: int, *, now: float | None = None)
         "ended_at": run["ended_at"],
         "duration": _duration(run["started_at"], run["ended_at"], now),
         "peak_gpu_mem": run["peak_gpu_mem"],
-        "tok_s": run["tok_s"],
+        "tok_s": rate(run["current_stage"], run["tok_s"]),
         "summary": json.loads(run["summary_json"]) if run["summary_json"] else None,
         "stages": stages,
         "window": stream_window(db, run_id) if _streams(run["config_json"]) else None,
@@ -387,6 +398,44 @@ def window_lines(window: dict[str, Any] | None) -> list[str]:
         f"waits: extract on the window {int(window['extract_waits'])}x ({window['extract_wait_s']:.1f} s), "
         f"train on extract {int(window['train_waits'])}x ({window['train_wait_s']:.1f} s)",
     ]
+
+
+# A phase's name as the ranks write it (workers/runtime/phases.py), in the words the live
+# views use for it; a name not listed is shown as written.
+_PHASE_WORDS = {
+    "load target": "loading the target",
+    "vllm engine start": "starting the vLLM engine",
+    "canary engine start": "starting the canary's vLLM engine",
+    "build draft model": "building the draft model",
+    "count rows": "counting the data's rows",
+    "save dataset": "saving the dataset",
+    "publish dataset": "publishing the dataset",
+}
+
+
+def phase_text(phases: dict[str, dict] | None, now: float) -> str:
+    """What a running stage's ranks wait for, from their open phases ({rank: {"phase", "since",
+    "budget", ...}}, as the daemon's "metric" events carry them): the phase most ranks are in,
+    for how long, and its budget; "" when no rank is in one. `starting the vLLM engine 2 of 3
+    (trained draft) for 14s`, `rank 1: saving checkpoint epoch-1 for 3s (budget 2m00s)`."""
+    if not phases:
+        return ""
+    by_name: dict[str, list[tuple[str, dict]]] = {}
+    for rank, p in phases.items():
+        by_name.setdefault(str(p.get("phase") or "?"), []).append((str(rank), p))
+    name, members = max(by_name.items(), key=lambda kv: len(kv[1]))
+    words = _PHASE_WORDS.get(name) or ("saving " + name if name.startswith("checkpoint ") else name)
+    if len(members) > 1:
+        words += f" on {len(members)} ranks"
+    elif len(phases) == 1 and members[0][0] != "0":
+        words = f"rank {members[0][0]}: {words}"
+    since = min((p["since"] for _, p in members if isinstance(p.get("since"), (int, float))), default=None)
+    if since is not None:
+        words += f" for {display.duration(max(0.0, now - since))}"
+    budget = members[0][1].get("budget")
+    if isinstance(budget, (int, float)):
+        words += f" (budget {display.duration(budget)})"
+    return words
 
 
 def gpu_memory(db, since: float) -> dict[int, dict[str, float]]:

@@ -378,14 +378,17 @@ def measure_all(
         batch = [Child(spec, workdir, env or {}) for spec in specs[first : first + step]]
         labels = ", ".join(child.spec.label for child in batch)
         try:
-            with _beating(progress, f"vllm engine start ({labels})", kind="engine_start"):
+            with _beating(
+                progress, f"starting {_engines(first, len(batch), len(specs))} ({labels})", kind="engine_start"
+            ):
                 for child in batch:
                     child.wait_ready(deadline)
             if len(batch) > 1:
                 time.sleep(SETTLE_S)
             for child in batch:
                 child.go()
-                with _beating(progress, f"vllm generate ({child.spec.label})"):
+                n = first + batch.index(child)
+                with _beating(progress, f"timed run on {_engines(n, 1, len(specs))} ({child.spec.label})"):
                     results[child.spec.label] = child.finish(deadline)
                 if on_result is not None:
                     on_result(child.spec.label, results[child.spec.label])
@@ -393,6 +396,14 @@ def measure_all(
             for child in batch:
                 child.kill()
     return results
+
+
+def _engines(first: int, count: int, total: int) -> str:
+    """`vLLM engine 2 of 3`, `vLLM engines 1-2 of 3`: the phases' names say which engines of the
+    stage's measurements a batch is (the TUI and the follow show them as they are)."""
+    if count == 1:
+        return f"vLLM engine {first + 1} of {total}"
+    return f"vLLM engines {first + 1}-{first + count} of {total}"
 
 
 def _beating(progress, phase: str, **how):

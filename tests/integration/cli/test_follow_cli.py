@@ -92,8 +92,8 @@ def test_follow_of_a_failing_run_prints_the_root_cause_first_and_no_teardown_sig
 
 
 def test_piped_follow_prints_plain_stage_lines_as_they_happen(daemon):
-    """stdout a pipe: a line per stage change when it happens, progress lines at a steady rate
-    between them (EYAS_FOLLOW_EVERY), each stamped; not everything at the end."""
+    """stdout a pipe: a line per stage change when it happens, progress lines between them as the
+    progress moves (looked at every EYAS_FOLLOW_EVERY), each stamped; not everything at the end."""
     every = 0.5
     path = daemon.home / "piped.toml"
     path.write_text(
@@ -136,10 +136,30 @@ def test_piped_follow_prints_plain_stage_lines_as_they_happen(daemon):
     assert order.index(failure[1]) < next(i for i, line in enumerate(order) if "restart 1 of 1" in line)
     assert changes[0][0] <= failure[0] <= changes[-1][0], arrivals
     assert end - changes[0][0] > 2.0 and end - failure[0] > 1.0, arrivals
-    # Progress at a steady rate while the stage runs: several lines, none far apart.
-    progress = [t for t, line in stamped if re.search(r"selftest: \d+% after", line)]
-    assert len(progress) >= 4, arrivals
-    gaps = [b - a for a, b in zip(progress, progress[1:])]
-    assert max(gaps) < every * 4, gaps
+    # Progress as it moves while the stage runs: several lines, spread over the run, and none
+    # that only says again what the line before it said.
+    progress = [(t, line[9:].split(" after ")[0]) for t, line in stamped if re.search(r"selftest: \d+% after", line)]
+    assert len(progress) >= 4 and progress[-1][0] - progress[0][0] > every * 2, arrivals
+    said = [line[9:].split(" after ")[0] for _, line in stamped]
+    assert all(a != b for a, b in zip(said, said[1:]) if "%" in a), said
     stamps = [line[:8] for _, line in stamped]
     assert stamps == sorted(stamps)
+
+
+def test_piped_follow_says_a_silent_phase_once_not_a_stuck_percentage(daemon):
+    """A rank in a long phase with heartbeats only (selftest's heartbeat_for): the follow says what
+    it waits for, once, in place of "0%"; and it prints no line that says nothing new."""
+    every = 0.3
+    path = daemon.home / "phase.toml"
+    path.write_text(selftest_toml("phase", ranks=1, options={"steps": 10, "step_time": 0.2, "heartbeat_for": 5}))
+    out = _follow(daemon, path, EYAS_FOLLOW_EVERY=str(every))
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [line[9:] for line in out.stdout.splitlines() if re.match(r"\d\d:\d\d:\d\d selftest: ", line)]
+    phase = [line for line in lines if "heartbeat_for" in line]
+    assert len(phase) == 1, lines
+    assert re.fullmatch(r"selftest: selftest heartbeat_for for \d+s", phase[0]), phase
+    # A line only when something changed (the progress, the phase): none says again what the
+    # line before it said.
+    said = [re.sub(r" (after|for) \d+s.*", "", line) for line in lines]
+    assert any("%" in line for line in said) and all(a != b for a, b in zip(said, said[1:])), lines
+    assert lines[-1] == "selftest: succeeded (every rank exited 0)", lines

@@ -730,3 +730,46 @@ def test_queries_same_through_sqlite_utils_and_plain_sqlite3(home):
     assert queries.stage_state(plain, 2, "train") is None
     with pytest.raises(KeyError, match="no run 99"):
         queries.get_run(plain, 99)
+
+
+def test_preflight_has_no_tok_s_in_runs_and_show(tmp_path, eyas_cli):
+    """preflight's canaries count a batch or two of tokens: no throughput, so no tok/s anywhere,
+    while the stages after it keep theirs (the daemon's roll-ups as it writes them)."""
+    db = store.open_writer(paths.db_path(tmp_path))
+    r = store.create_run(db, name="checks", model="m", stages=[{"name": "preflight"}, {"name": "prepare"}], now=T1)
+    store.move_run(db, r, "running", "started", now=T1)
+    store.move_stage(db, r, "preflight", "running", "started", now=T1)
+    a, _ = store.new_attempt(
+        db, r, "preflight", dir=str(paths.attempt_dir(r, "preflight", 1, tmp_path)), world_size=1, now=T1
+    )
+    store.upsert_rank(db, a, 0, pid=100, state="running", tok_s=6178.0)
+    db["stages"].update(store.stage_row(db, r, "preflight")["id"], {"tok_s": 6178.0})
+    db["runs"].update(r, {"tok_s": 6178.0})
+    running = json.loads(eyas_cli(tmp_path, "runs", "--json").stdout)
+    assert [(x["stage"], x["tok_s"]) for x in running] == [("preflight", None)]
+
+    store.upsert_rank(db, a, 0, state="exited", exit_code=0)
+    store.move_attempt(db, a, "succeeded", "ok", now=T1 + 3)
+    store.move_stage(db, r, "preflight", "succeeded", "ok", now=T1 + 3)
+    store.move_stage(db, r, "prepare", "running", "started", now=T1 + 3)
+    a, _ = store.new_attempt(
+        db, r, "prepare", dir=str(paths.attempt_dir(r, "prepare", 1, tmp_path)), world_size=1, now=T1 + 3
+    )
+    store.upsert_rank(db, a, 0, pid=101, state="exited", exit_code=0, tok_s=6295.0)
+    db["stages"].update(store.stage_row(db, r, "prepare")["id"], {"tok_s": 6295.0})
+    db["runs"].update(r, {"tok_s": 6295.0})
+    store.move_attempt(db, a, "succeeded", "ok", now=T1 + 10)
+    store.move_stage(db, r, "prepare", "succeeded", "ok", now=T1 + 10)
+    store.move_run(db, r, "succeeded", "ok", now=T1 + 10)
+    db.conn.close()
+    shown = json.loads(eyas_cli(tmp_path, "show", r, "--json").stdout)
+    assert [(s["name"], s["tok_s"]) for s in shown["stages"]] == [("preflight", None), ("prepare", 6295.0)]
+    assert [r["tok_s"] for s in shown["stages"] for a in s["attempt_list"] for r in a["ranks"]] == [None, 6295.0]
+    out = eyas_cli(tmp_path, "show", r).stdout.splitlines()
+    assert [line.split() for line in out if line.startswith(("  preflight ", "  prepare "))] == [
+        ["preflight", "succeeded", "1", "3s"],
+        ["prepare", "succeeded", "1", "7s", "6,295"],
+        ["preflight", "1", "0", "100", "exited", "exit", "0"],
+        ["prepare", "1", "0", "101", "exited", "exit", "0", "6,295"],
+    ]
+    assert json.loads(eyas_cli(tmp_path, "runs", "--json").stdout)[0]["tok_s"] == 6295.0

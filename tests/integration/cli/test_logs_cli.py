@@ -88,12 +88,32 @@ def home(tmp_path_factory):
 
 def test_merged_by_time(home, eyas_cli):
     p = eyas_cli(home, "logs", "1")  # default: the current stage (train), its latest attempt
-    assert (p.returncode, p.stderr) == (0, "")
+    # Which stage that is goes to stderr, so that stdout stays the log's lines.
+    note = "eyas logs: showing train, the stage running now; --stage NAME for another (prepare, vocab)\n"
+    assert (p.returncode, p.stderr) == (0, note)
     assert p.stdout.split("\n")[:-1] == MERGED
 
 
+def test_a_default_stage_is_named_a_chosen_one_is_not(tmp_path, eyas_cli):
+    db = store.open_writer(paths.db_path(tmp_path))
+    r = store.create_run(db, name="done", model="m", stages=[{"name": "prepare"}, {"name": "train"}], now=START)
+    store.move_run(db, r, "running", "started", now=START)
+    for stage in ("prepare", "train"):
+        store.move_stage(db, r, stage, "running", "started", now=START)
+        a, _ = attempt(db, tmp_path, r, stage, {0: f"{stage} line\n"}, world_size=1)
+        store.move_attempt(db, a, "succeeded", "ok", now=START + 1)
+        store.move_stage(db, r, stage, "succeeded", "ok", now=START + 1)
+    store.move_run(db, r, "succeeded", "ok", now=START + 2)
+    db.conn.close()
+    p = eyas_cli(tmp_path, "logs", r)
+    assert (p.returncode, p.stdout) == (0, "[r0] train line\n")
+    assert p.stderr == "eyas logs: showing train, the last stage that ran; --stage NAME for another (prepare)\n"
+    p = eyas_cli(tmp_path, "logs", r, "--stage", "prepare")
+    assert (p.returncode, p.stdout, p.stderr) == (0, "[r0] prepare line\n", "")
+
+
 def test_one_rank_verbatim(home, eyas_cli):
-    p = eyas_cli(home, "logs", "1", "--rank", "1")
+    p = eyas_cli(home, "logs", "1", "--rank", "1", "--stage", "train")
     assert (p.returncode, p.stdout, p.stderr) == (0, RANK1 + "\n", "")
 
 
