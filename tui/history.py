@@ -37,10 +37,16 @@ class History:
             self._db = None
 
     def runs(self, state: str | None = None, match: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
+        """The listing of `eyas runs`, each run with its acceptance length ("accept", None
+        without an evaluate summary)."""
         db = self.db
         if db is None:
             return []
-        return queries.list_runs(db, state=state, match=match or None, limit=limit, now=self.clock())
+        rows = queries.list_runs(db, state=state, match=match or None, limit=limit, now=self.clock())
+        accept = queries.acceptance_lengths(db, [r["id"] for r in rows])
+        for r in rows:
+            r["accept"] = accept.get(r["id"])
+        return rows
 
     def run(self, run_id: int) -> dict[str, Any] | None:
         db = self.db

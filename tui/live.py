@@ -1,7 +1,8 @@
 """Live figures from the daemon's event stream, kept between redraws.
 
 The daemon's "metric" events carry a stage's live roll-up (tok/s, ETA, progress), the
-samples of the last second and when each rank last wrote; "state" events say that something moved. `Live.apply` folds a
+samples of the last second, when each rank last wrote and each rank's open phase (what a silent
+rank is doing: loading, starting an engine, waiting); "state" events say that something moved. `Live.apply` folds a
 batch of events in and says what changed, so a screen redraws only when its run did.
 """
 
@@ -38,6 +39,8 @@ class Live:
         self.stage: dict[tuple[int, str], dict] = {}  # (run, stage) -> live roll-up
         self.samples: dict[tuple, deque] = {}  # (run, stage, attempt, rank, name) -> (t, v)
         self.writes: dict[tuple, float] = {}  # (run, stage, attempt, rank) -> its last write
+        # (run, stage) -> (attempt, {rank: open phase}), as the last "metric" event said
+        self.phases: dict[tuple[int, str], tuple[int, dict[str, dict]]] = {}
         self.received = 0
 
     def apply(self, events: list[Event]) -> Changes:
@@ -60,6 +63,7 @@ class Live:
                         del self.samples[key]
                     for key in [k for k in self.writes if k[:2] == (run_id, d.get("stage"))]:
                         del self.writes[key]
+                    self.phases.pop((run_id, d.get("stage")), None)
             elif ev.event == "metric":
                 run_id = d.get("run_id")
                 ch.metrics.add(run_id)
@@ -71,6 +75,8 @@ class Live:
                     if q is None:
                         q = self.samples[key] = deque(maxlen=KEEP)
                     q.append((s.get("time"), s.get("value")))
+                if isinstance(d.get("phases"), dict):  # a daemon from before phases sends none
+                    self.phases[(run_id, d.get("stage"))] = (d.get("attempt"), d["phases"])
                 for rank, t in (d.get("last_write") or {}).items():
                     if str(rank).isdigit() and isinstance(t, (int, float)):
                         self.writes[(run_id, d.get("stage"), d.get("attempt"), int(rank))] = float(t)
@@ -86,6 +92,12 @@ class Live:
                 r = {**r, "last_write": t}
             out.append(r)
         return out
+
+    def phase(self, run_id: int, stage: str, attempt: int) -> dict[str, dict]:
+        """The ranks' open phases of the attempt ({rank: {"phase", "since", "budget", ...}}); {}
+        when none is open or none was said (queries.phase_text words them)."""
+        said = self.phases.get((run_id, stage))
+        return said[1] if said is not None and said[0] == attempt else {}
 
     def last(self, run_id: int, stage: str, attempt: int, rank: int | None, name: str) -> float | None:
         q = self.samples.get((run_id, stage, attempt, rank, name))

@@ -2,7 +2,8 @@
 
 Errors come newest attempt first, its root cause first (queries.errors). The traceback is
 syntax-highlighted; `c` copies it through the terminal's clipboard escape (OSC 52, which
-works over SSH), and `l` opens the failing rank's log at its first error line.
+works over SSH), and `l` opens the failing rank's log at its first error line. A run without
+errors says why there are none (empty_text).
 """
 
 from __future__ import annotations
@@ -47,6 +48,26 @@ def error_body(err: dict) -> Group:
     return Group(*parts)
 
 
+def empty_text(run_id: int, run: dict | None) -> str:
+    """Why a run has no errors to show: every attempt succeeded, it has not failed yet, it was
+    stopped, or it ended without a record (which `eyas errors` shows the same way)."""
+    if run is None:
+        return f"No run {run_id} in the store."
+    attempts = [a for s in run["stages"] for a in s["attempt_list"]]
+    states = [a["state"] for a in attempts]
+    if run["state"] in ("pending", "running"):
+        where = f" (it is at {run['stage']})" if run.get("stage") else ""
+        return f"No errors: run {run_id} has not failed yet{where}. Failures appear here as they are recorded."
+    if not attempts:
+        return f"No errors: run {run_id} ran no attempt ({run['state']})."
+    if run["state"] == "succeeded" and all(st == "succeeded" for st in states):
+        n = len(attempts)
+        return f"No errors: every attempt of run {run_id} succeeded ({n} attempt{'s' if n != 1 else ''})."
+    counts = ", ".join(f"{states.count(st)} {st}" for st in dict.fromkeys(states))
+    why = f": {run['reason']}" if run.get("reason") else ""
+    return f"No errors recorded: run {run_id} {run['state']}{why} (attempts: {counts})."
+
+
 class ErrorsScreen(EyasScreen):
     DEFAULT_CSS = """
     ErrorsScreen #head { height: auto; padding: 0 1; }
@@ -89,16 +110,21 @@ class ErrorsScreen(EyasScreen):
 
     def reload(self) -> None:
         self.errors = self.app.history.errors(self.run_id)
+        head = self.query_one("#head", Static)
+        if not self.errors:
+            # Said again on each reload: the run moves on (running, then succeeded).
+            self._shown = []
+            self.query_one("#errors", VerticalScroll).remove_children()
+            head.update(Text(empty_text(self.run_id, self.app.history.run(self.run_id))))
+            self.refresh_bindings()
+            return
         shown = [(e["stage"], e["attempt"], e["rank"], e["time"]) for e in self.errors]
         if shown == self._shown:
             return
         self._shown = shown
-        head = self.query_one("#head", Static)
+        self.refresh_bindings()
         box = self.query_one("#errors", VerticalScroll)
         box.remove_children()
-        if not self.errors:
-            head.update(f"Run {self.run_id} has no recorded errors.")
-            return
         attempts = {(e["stage"], e["attempt"]) for e in self.errors}
         head.update(
             f"Run {self.run_id}: {len(self.errors)} failure{'s' if len(self.errors) != 1 else ''} "
@@ -129,6 +155,13 @@ class ErrorsScreen(EyasScreen):
         c = Collapsible(Static(error_body(err)), title=title[:200], collapsed=True)
         c.error = err
         return c
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Copy and the rank's log are dimmed while there is no error to act on."""
+        allowed = super().check_action(action, parameters)
+        if allowed and action in ("copy", "log") and not self.errors:
+            return None
+        return allowed
 
     def _focused_error(self) -> dict | None:
         node = self.focused

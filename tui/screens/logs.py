@@ -3,7 +3,8 @@
 The files are read straight from the attempt directory (the ranks write them; the daemon
 never pipes them), indexed by a LogWatcher thread, and drawn by a LogView that renders only
 the visible rows. The screen polls the watcher on a timer, so however fast lines arrive the
-view redraws at most REDRAW_HZ times a second.
+view redraws at most REDRAW_HZ times a second. An empty view says why (`_empty_text`): the rank
+has not written yet, or no line matches the filter.
 """
 
 from __future__ import annotations
@@ -210,9 +211,31 @@ class LogsScreen(EyasScreen):
             self._seen = w.version
             view.sync()
             self._tell_cuts()
+        if view.model is not None and not view.model.total():
+            empty = self._empty_text()
+            if empty != view.placeholder:
+                view.placeholder = empty
+                view.sync()
         self._status()
         if self._error_scans is not None and all(s.done for s in self._error_scans.values()):
             self._finish_error_jump()
+
+    def _empty_text(self) -> str:
+        """Why the view shows no line."""
+        shown = self._shown_files()
+        if (
+            self.pattern is not None
+            and self.mode == "filter"
+            and any(f.path.exists() and f.path.stat().st_size for f in shown)
+        ):
+            return f"no line matches /{self.filter_text}/ (yet); escape clears the filter"
+        if self.merged:
+            return f"no rank of {self.stage_name} attempt {self.attempt_no} has written its log yet"
+        f = shown[0] if shown else None
+        if f is None or not f.path.exists():
+            name = f.path.name if f is not None else f"rank-{self.rank}.log"
+            return f"rank {self.rank} has not written its log yet ({name} does not exist yet)"
+        return f"rank {self.rank} has written nothing to its log yet ({f.path.name} is empty)"
 
     def _tell_cuts(self) -> None:
         """Say when a shown log was cut at its bound (or replaced): the lines the view held

@@ -1,9 +1,12 @@
 """The Run screen: the stage pipeline, the selected stage's progress, and the controls.
 
-What the run is doing now is derived from its stage, attempt and rank rows, never from the
-newest event's text, and quiet or partly exited ranks are named (state/liveness.py). A
-streaming run's two running stages are both named, and its window is drawn under the stages as
-`eyas show` writes it (queries.window_lines)."""
+The screen follows the run: the stage shown is the one running now, and it moves on with the
+run, until the user picks a stage (moving onto it in the table, or enter); `f` follows the run
+again. What the run is doing now is derived from its stage, attempt and rank rows, never from
+the newest event's text; quiet or partly exited ranks are named (state/liveness.py), and a
+rank's long silent phase (a load, an engine start, a wait) is said in place of an ETA
+(queries.phase_text). A streaming run's two running stages are both named, and its window is
+drawn under the stages as `eyas show` writes it (queries.window_lines)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from ..live import Changes
 from ..widgets.modals import SubmitScreen
 from ..widgets.pipeline import Pipeline
 from ..widgets.stagecurves import StageCurves
+from ..widgets.stagetable import StageTable
 from .base import EyasScreen
 
 # (key, label, width, priority); the reason column takes what is left of the width.
@@ -49,6 +53,7 @@ class RunScreen(EyasScreen):
     """
     BINDINGS = [
         Binding("escape", "app.pop_screen", "Back"),
+        Binding("f", "follow", "Follow run"),
         Binding("r", "ranks", "Ranks"),
         Binding("l", "logs", "Logs"),
         Binding("e", "errors", "Errors"),
@@ -61,12 +66,13 @@ class RunScreen(EyasScreen):
         Binding("n", "submit", "Submit"),
     ]
 
-    def __init__(self, run_id: int, *, curves: bool = True) -> None:
+    def __init__(self, run_id: int, *, stage: str | None = None, curves: bool = True) -> None:
         super().__init__()
         self.run_id = run_id
         self.curves = curves  # the curves panel (tests/bench/bench_curves.py opens the screen without it)
         self.run: dict | None = None
         self.stage_name: str | None = None
+        self.picked: str | None = stage  # the stage the user chose; None: follow the run
         self._columns: list[tuple[str, str, int]] = []
 
     def title_text(self) -> str:
@@ -75,7 +81,7 @@ class RunScreen(EyasScreen):
     def compose_body(self) -> ComposeResult:
         yield Static("", id="summary")
         yield Pipeline(id="pipeline")
-        yield DataTable(id="stages", cursor_type="row")
+        yield StageTable(id="stages", cursor_type="row")
         yield Static("", id="window")
         with Vertical(id="progress"):
             yield ProgressBar(total=1.0, show_eta=False, id="bar")
@@ -97,7 +103,11 @@ class RunScreen(EyasScreen):
             self.query_one("#summary", Static).update(f"No run {self.run_id} in the store.")
             return
         self.run = run
-        if self.stage_name is None or not any(s["name"] == self.stage_name for s in run["stages"]):
+        names = [s["name"] for s in run["stages"]]
+        if self.picked is not None and self.picked in names:
+            self.stage_name = self.picked
+        else:
+            # Following: the stage running now, else the last that ran (pick_stage).
             chosen = pick_stage(run)
             self.stage_name = chosen["name"] if chosen else None
         self._fill()
@@ -203,25 +213,29 @@ class RunScreen(EyasScreen):
             nxt = next((s for s in run["stages"] if s["state"] == "pending"), None)
             why = run["reason"] if (run["reason"] or "").startswith("waiting") else ""
             return (f"{nxt['name']} pending" if nxt else "") + (f": {why}" if why and nxt else why), "dim"
-        # A streaming run's extract and train run at once: each is named, in pipeline order.
-        found = [self._stage_status(s) for s in running]
+        # A streaming run's extract and train run at once: each is named, in pipeline order, with
+        # what it waits for (the figures below are the shown stage's only).
+        found = [self._stage_status(s, phase=len(running) > 1) for s in running]
         style = "bold yellow" if any(warn for _, warn in found) else "dim"
         return "  ·  ".join(text for text, _ in found), style
 
-    def _stage_status(self, stage: dict) -> tuple[str, bool]:
-        """What one running stage is doing, and whether its ranks call for attention."""
+    def _stage_status(self, stage: dict, phase: bool = False) -> tuple[str, bool]:
+        """What one running stage is doing (with `phase`, its open phase too), and whether its
+        ranks call for attention."""
         a = stage["attempt_list"][-1] if stage["attempt_list"] else None
         if a is None:
             return f"{stage['name']} starting", False
         if a["state"] != "running":
             return f"{stage['name']} running: attempt {a['number']} {a['state']}, the next one is due", False
         text = f"{stage['name']} running · attempt {a['number']} · {display.duration(a['duration'])}"
+        if phase and (what := self._phase(stage)):
+            text += f" · {what}"
         note = self._note(stage)
         return (f"{text} · {note}", True) if note else (text, False)
 
     def _cells(self, s: dict) -> list:
         live = self.app.live.stage.get((self.run_id, s["name"]), {}) if s["state"] == "running" else {}
-        toks = live.get("tok_s", s["tok_s"])
+        toks = None if s["name"] in queries.NO_RATE_STAGES else live.get("tok_s", s["tok_s"])
         note = self._note(s)
         cells = {
             "name": s["name"],
@@ -259,9 +273,15 @@ class RunScreen(EyasScreen):
             progress, eta, toks = None, None, None
         bar.update(progress=progress or 0.0)
         bits = [f"{s['name']} {s['state']}"]
+        phase = self._phase(s)
+        unsaid = s["state"] == "running" and not phase and eta is None and not progress
         if s["state"] == "running":
-            bits.append(self._waiting(s, progress) or fmt.eta(eta))
-        if s["state"] == "running" or toks is not None:
+            # What the stage waits for, where an ETA would say "–": its ranks' open phase, quiet
+            # ranks, or that none has reported progress yet (imports, reading its inputs).
+            bits.append(phase or self._waiting(s, progress) or ("no progress reported yet" if unsaid else fmt.eta(eta)))
+        if s["name"] in queries.NO_RATE_STAGES:
+            pass  # a check stage's tokens are no throughput
+        elif toks if phase or unsaid else (toks is not None or s["state"] == "running"):
             bits.append(fmt.rate(toks))
         for name, label in (("loss", "loss"), ("acc_0", "acc")):
             value = self.app.live.last_any_rank(self.run_id, s["name"], attempt, name) if live is not None else None
@@ -270,7 +290,17 @@ class RunScreen(EyasScreen):
             if value is not None:
                 bits.append(f"{label} {value:.4g}")
         bits += self._evaluate_bits(s, attempt, live is not None)
+        if self.picked is not None:
+            bits.append("picked (f follows the run)")
         figures.update("  ·  ".join(bits))
+
+    def _phase(self, s: dict) -> str:
+        """What the stage's running attempt waits for, from its ranks' open phases; "" when no
+        rank is in one (or the daemon has not said)."""
+        if s["state"] != "running" or not s["attempt_list"]:
+            return ""
+        phases = self.app.live.phase(self.run_id, s["name"], s["attempt_list"][-1]["number"])
+        return queries.phase_text(phases, self.app.history.clock())
 
     def _waiting(self, s: dict, progress: float | None) -> str:
         """`waiting` in place of an ETA when nothing moves: every running rank quiet, or all
@@ -330,15 +360,23 @@ class RunScreen(EyasScreen):
         if self.curves:
             self.query_one(StageCurves).show(self.run, self.stage_name)
 
-    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
-        if event.row_key is not None and event.row_key.value != self.stage_name:
-            self.stage_name = str(event.row_key.value)
+    def on_stage_table_picked(self, event: StageTable.Picked) -> None:
+        """The user chose a stage: it stays shown, whatever the run does, until `f`."""
+        self.picked = event.stage
+        if event.stage != self.stage_name:
+            self.stage_name = event.stage
             if self.run is not None:
                 self.query_one(Pipeline).show(self.run["stages"], self.stage_name)
-                self._show_progress()
                 self._show_cause()
                 self._show_curves()
-                self.refresh_bindings()
+        self._show_progress()
+        self.refresh_bindings()
+
+    def action_follow(self) -> None:
+        """`f`: follow the run again, from the stage running now."""
+        self.picked = None
+        self.reload()
+        self.refresh_bindings()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Controls that cannot apply now are shown dimmed (None); --readonly hides them."""
@@ -348,6 +386,7 @@ class RunScreen(EyasScreen):
         stage, run_state = self.stage, self.run["state"]
         state = stage["state"] if stage else None
         applies = {
+            "follow": self.picked is not None,  # dimmed while the screen follows the run
             "stop_stage": state in ("running", "pending") and run_state in ("pending", "running"),
             "stop_run": run_state in ("pending", "running"),
             "retry": state in ("failed", "cancelled"),

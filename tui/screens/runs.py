@@ -1,4 +1,5 @@
-"""The Runs screen: the history as a live table, filtered by state and by text.
+"""The Runs screen: the history as a live table, filtered by state and by text, with each run's
+acceptance length (its evaluate stage's, as `eyas runs` shows it).
 
 Space marks runs (each in the colour its curves will have) and `m` opens the Metrics screen
 over the marked runs overlaid, or over the selected run when none is marked."""
@@ -10,7 +11,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Input, Static
 
-from eyas.state import display
+from eyas.state import display, queries
 from eyas.state.machine import RUN_STATES
 
 from .. import format as fmt
@@ -23,13 +24,15 @@ from .base import EyasScreen
 COLUMNS = [
     ("id", "id", 3, 0),
     ("name", "name", 14, 0),
-    ("model", "model", 18, 3),
+    ("model", "model", 18, 4),
     ("state", "state", 11, 0),
     ("stage", "stage", 9, 0),
-    ("started", "started", 16, 1),
+    ("started", "started", 16, 2),
     ("duration", "duration", 8, 0),
-    ("peak_gpu_mem", "peak GPU", 9, 2),
+    ("peak_gpu_mem", "peak GPU", 9, 3),
     ("tok_s", "tok/s", 7, 0),
+    # The trained draft's mean acceptance length (evaluate's summary), blank without one.
+    ("accept", "accept", 6, 1),
 ]
 NAME_MAX = 28
 STATE_FILTERS = (None, *RUN_STATES)
@@ -95,7 +98,7 @@ class RunsScreen(EyasScreen):
     def _cells(self, r: dict) -> list:
         live = None
         if r["state"] == "running" and r["stage"]:
-            live = self.app.live.stage.get((r["id"], r["stage"]), {}).get("tok_s")
+            live = queries.rate(r["stage"], self.app.live.stage.get((r["id"], r["stage"]), {}).get("tok_s"))
         toks = live if live is not None else r["tok_s"]
         started = display.local_minute(r["started"])
         cells = {
@@ -108,6 +111,7 @@ class RunsScreen(EyasScreen):
             "duration": Text(display.duration(r["duration"]), justify="right"),
             "peak_gpu_mem": Text(display.size(r["peak_gpu_mem"]), justify="right"),
             "tok_s": Text(display.count(toks), justify="right"),
+            "accept": Text("" if r.get("accept") is None else f"{r['accept']:.2f}", justify="right"),
         }
         return [cells[key] for key, _, _ in self._columns]
 
@@ -123,9 +127,9 @@ class RunsScreen(EyasScreen):
         """Choose the columns for the width (80 columns drop model and peak GPU)."""
         width = (self.size.width or 80) - 2  # room for a vertical scrollbar
         columns = fmt.fit_columns(COLUMNS, width)
-        if [c[0] for c in columns] == ["id", "name", "state", "stage", "duration", "tok_s"]:
+        if "started" not in [c[0] for c in columns] and width - sum(w + 2 for _, _, w in columns) >= 13:
             # Room for the start time without its year, which takes 11 cells, not 16.
-            columns.insert(4, ("started", "started", 11))
+            columns.insert([c[0] for c in columns].index("duration"), ("started", "started", 11))
         spare = width - sum(w + 2 for _, _, w in columns)
         columns = [(k, label, min(NAME_MAX, w + max(0, spare)) if k == "name" else w) for k, label, w in columns]
         if columns != self._columns:

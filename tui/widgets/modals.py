@@ -1,13 +1,17 @@
-"""Modal dialogs: confirming a destructive action, and submitting a run config by path."""
+"""Modal dialogs: confirming a destructive action, and submitting a run config by path.
+
+Their text wraps to the dialog's width and a long refusal scrolls inside it, so that each reads
+whole from 80x24 up."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.suggester import Suggester
 from textual.widgets import Button, Input, Label, Static
@@ -20,7 +24,8 @@ class ConfirmScreen(ModalScreen[bool]):
 
     DEFAULT_CSS = """
     ConfirmScreen { align: center middle; }
-    ConfirmScreen > Vertical { width: 60; max-width: 95%; height: auto; border: thick $error; background: $surface; padding: 1 2; }
+    ConfirmScreen > Vertical { width: 60; max-width: 95%; height: auto; max-height: 95%; border: thick $error; background: $surface; padding: 1 2; }
+    ConfirmScreen #question { width: 100%; }
     ConfirmScreen Horizontal { height: auto; align-horizontal: right; margin-top: 1; }
     ConfirmScreen Button { margin-left: 2; }
     """
@@ -85,8 +90,12 @@ class SubmitScreen(ModalScreen[dict | None]):
 
     DEFAULT_CSS = """
     SubmitScreen { align: center middle; }
-    SubmitScreen > Vertical { width: 80; max-width: 98%; height: auto; border: thick $primary; background: $surface; padding: 1 2; }
-    SubmitScreen #error { color: $error; height: auto; margin-top: 1; }
+    SubmitScreen > Vertical { width: 84; max-width: 98%; height: auto; max-height: 98%; border: thick $primary; background: $surface; padding: 1 2; }
+    SubmitScreen #title { text-style: bold; }
+    SubmitScreen #help { color: $text-muted; margin-bottom: 1; }
+    SubmitScreen #refusal { height: auto; max-height: 12; margin-top: 1; display: none; }
+    SubmitScreen #refusal.shown { display: block; }
+    SubmitScreen #error { color: $error; height: auto; }
     """
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
@@ -96,9 +105,11 @@ class SubmitScreen(ModalScreen[dict | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical():
-            yield Label("Submit a run config (TOML): type a path; → accepts the completion, enter submits")
+            yield Static("Submit a run config (TOML)", id="title")
+            yield Static("Type its path: → accepts the completion, enter submits, escape cancels.", id="help")
             yield Input(self.initial, placeholder="path/to/run.toml", suggester=PathSuggester(), id="path")
-            yield Static("", id="error")
+            with VerticalScroll(id="refusal"):  # a refusal lists every mistake: it may be long
+                yield Static("", id="error")
 
     def on_mount(self) -> None:
         self.query_one(Input).focus()
@@ -106,23 +117,28 @@ class SubmitScreen(ModalScreen[dict | None]):
     def action_cancel(self) -> None:
         self.dismiss(None)
 
+    def _refuse(self, text: str) -> None:
+        self.query_one("#error", Static).update(Text(text))  # a config's [tables] are no markup
+        box = self.query_one("#refusal", VerticalScroll)
+        box.add_class("shown")
+        box.scroll_home(animate=False)
+
     async def on_input_submitted(self, event: Input.Submitted) -> None:
         value = event.value.strip()
-        error = self.query_one("#error", Static)
         if not value:
-            error.update("Type the path of a run config.")
+            self._refuse("Type the path of a run config.")
             return
         path = Path(os.path.expanduser(value)).absolute()
         if not path.is_file():
-            error.update(f"{path}: no such file; give the path of a run config (.toml)")
+            self._refuse(f"{path}: no such file; give the path of a run config (.toml)")
             return
         try:
             result = await self.app.link.request("submit", config_path=str(path))
         except DaemonNotRunning as exc:
-            error.update(str(exc))
+            self._refuse(str(exc))
             return
         except DaemonError as exc:
-            error.update(f"The daemon refused {path.name}:\n{exc.message}")
+            self._refuse(f"The daemon refused {path.name}:\n{exc.message}")
             return
         self.dismiss(result)
 

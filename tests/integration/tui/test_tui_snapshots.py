@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import tui_world as world
+from textual.widgets import Input
 from tui_world import until
 
 from eyas.tui.app import EyasApp
@@ -19,6 +20,7 @@ from eyas.tui.screens.ranks import RanksScreen
 from eyas.tui.screens.run import RunScreen
 from eyas.tui.widgets.curves import CurvePlot
 from eyas.tui.widgets.logview import LogView
+from eyas.tui.widgets.modals import SubmitScreen
 
 SIZES = [(80, 24), (160, 48)]
 
@@ -92,14 +94,34 @@ def test_errors(snap_compare, app, size):
     assert snap_compare(app, terminal_size=size, run_before=_screen(lambda: ErrorsScreen(2)))
 
 
+@pytest.mark.parametrize("size", SIZES, ids=["80x24", "160x48"])
+def test_errors_none(snap_compare, app, size):
+    """A run without errors says why the screen is empty."""
+    assert snap_compare(app, terminal_size=size, run_before=_screen(lambda: ErrorsScreen(1)))
+
+
+@pytest.mark.parametrize("size", SIZES, ids=["80x24", "160x48"])
+def test_submit_dialog_with_a_refusal(snap_compare, app, size):
+    """The submit dialog reads whole, and so does what it says of a path that is no run config."""
+
+    async def run_before(pilot):
+        await until(pilot, lambda: pilot.app.screen.query("DataTable"), what="runs")
+        missing = world.snapshot_home() / "configs" / "llama-3.1-8b-eagle3-sharegpt-two-epochs.toml"
+        await pilot.app.push_screen(SubmitScreen(str(missing)))
+        pilot.app.screen.query_one(Input).cursor_blink = False  # a blink is no part of the picture
+        await pilot.press("enter")
+        await until(pilot, lambda: "no such file" in str(pilot.app.screen.query_one("#error").content))
+        await _settle(pilot)
+
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
 def _plotted(screen) -> bool:
     return bool(screen.query(CurvePlot)) and any(p.lines for p in screen.query(CurvePlot))
 
 
 def _run_on_train() -> RunScreen:
-    screen = RunScreen(1)
-    screen.stage_name = "train"  # the finished run's train stage, which has curves
-    return screen
+    return RunScreen(1, stage="train")  # the finished run's train stage, which has curves
 
 
 @pytest.mark.parametrize("size", SIZES, ids=["80x24", "160x48"])
