@@ -87,7 +87,8 @@ class Group(TPWorkers):
     stuck: dict | None = None
     # Every process under the ranks, each rank's open phase and its last sign of life (daemon/phases.py),
     # and the run's `[stages.<name>] phase_budgets` by phase kind.
-    watch: Watch = field(default_factory=Watch)
+    # (Not `watch`: TPWorkers.watch is the method that watches a TP worker's pidfd.)
+    vitals: Watch = field(default_factory=Watch)
     phase_budgets: dict[str, float] = field(default_factory=dict)
     ignored: set = field(default_factory=set)  # records refused by own_record, each logged once
     # The settlement (daemon/settle.py): what the end was, read once, and when to try again
@@ -324,7 +325,7 @@ class Group(TPWorkers):
     async def request_stacks(self, members: list[Rank], descendants: bool = False) -> list[dict]:
         """Ask the live members for their Python stacks (daemon/stacks.py); one record each, with
         its state, and with `descendants` one for every other live process under them."""
-        return stacks.with_descendants(stacks.request(members), self.watch, time.time(), descendants)
+        return stacks.with_descendants(stacks.request(members), self.vitals, time.time(), descendants)
 
     async def collect_stacks(self, members: list[Rank], descendants: bool = False, **kwargs) -> list[dict]:
         """The members' (and with `descendants` every process under them) Python and native
@@ -332,7 +333,7 @@ class Group(TPWorkers):
         return await stacks.collect(
             members,
             requester=lambda ranks: stacks.with_descendants(
-                stacks.request(ranks), self.watch, time.time(), descendants
+                stacks.request(ranks), self.vitals, time.time(), descendants
             ),
             **kwargs,
         )

@@ -136,18 +136,18 @@ class Metrics:
                 if key in result.procs or key in result.writes or key in result.phases:
                     # A Slurm rank's processes are on its node: its monitor reports them (tree.json).
                     procs = result.procs.get(key, []) if g.local_processes else None
-                    g.watch.update(g, member, procs, result.phases.get(key), result.writes.get(key), now)
+                    g.vitals.update(g, member, procs, result.phases.get(key), result.writes.get(key), now)
                     sampled = True
                 elif g.local_processes:
-                    g.watch.update_procs(g, member, [], now)  # ended: its processes are gone
+                    g.vitals.update_procs(g, member, [], now)  # ended: its processes are gone
             if not g.local_processes:
                 for r in g.ranks:
                     procs = node_tree(g.dir / contract.rank_file(r.rank, contract.TREE), now) if r.exit is None else []
                     if procs is not None:
-                        g.watch.update_procs(g, r.rank, procs, now)
+                        g.vitals.update_procs(g, r.rank, procs, now)
                         sampled = True
             if sampled:
-                g.watch.settle_cpu(now)
+                g.vitals.settle_cpu(now)
 
     def _ended_writes(self, groups: list[Group], writes: dict) -> None:
         """Add to `writes` the last write of members that ended and are sampled no more, when

@@ -314,8 +314,8 @@ class SlurmGroup(Group):
         for r in members:  # the nodes' latest word, not the last sample's (daemon/metrics.py)
             procs = node_tree(self.dir / contract.rank_file(r.rank, contract.TREE), now) if r.tp_rank is None else None
             if r.exit is None and procs is not None:
-                self.watch.update_procs(self, r.rank, procs, now)
-        out = stacks.with_descendants(out, self.watch, now, descendants)
+                self.vitals.update_procs(self, r.rank, procs, now)
+        out = stacks.with_descendants(out, self.vitals, now, descendants)
         self.native_asked_at = now
         if any("offset" in e for e in out):
             try:

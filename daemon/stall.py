@@ -63,7 +63,7 @@ def check(group, now: float, sibling=lambda stage: None) -> dict | None:
     seen = activity(group.dir)
     if seen != group.activity:
         group.activity, group.active_at = seen, now
-    watch = group.watch
+    watch = group.vitals
     alive = watch.alive_at(lambda stage: _alive(sibling(stage)))
     last = max(group.active_at, alive or 0.0)
     found: dict = {"kind": "stall", "time": now, "quiet": now - last}
@@ -95,7 +95,7 @@ def _alive(group) -> float | None:
     """When a waited-for sibling group last showed life; None when it is not live, or stuck."""
     if group is None or group.stuck is not None:
         return None
-    return max(group.active_at, group.watch.alive_at() or 0.0)
+    return max(group.active_at, group.vitals.alive_at() or 0.0)
 
 
 def last_heartbeat(directory: Path) -> dict | None:

@@ -41,7 +41,7 @@ def check(group, now: float) -> dict | None:
                 "rank": r.rank,
                 "pid": r.pid,
                 "after": min(since)[1],
-                "processes": group.watch.table(now),  # every live process and its state (daemon/phases.py)
+                "processes": group.vitals.table(now),  # every live process and its state (daemon/phases.py)
             }
     return None
 

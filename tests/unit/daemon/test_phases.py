@@ -163,7 +163,7 @@ def test_cpu_counts_only_inside_a_phase_and_a_wait_lives_on_its_sibling(group):
 def test_a_held_process_before_the_first_failure_is_the_root_cause(group):
     group.ranks[0].exit = _raised(0, 1000.0, "torch.distributed.DistBackendError", GLOO_LOST)
     group.ranks[1].exit = None
-    group.watch.update(group, 1, _procs((11, "stopped", 3.0, "python -m rank")), None, None, 990.0)
+    group.vitals.update(group, 1, _procs((11, "stopped", 3.0, "python -m rank")), None, None, 990.0)
     records = failures.ordered(group, "vm", None)
     held = records[0][1]
     assert (held.type, held.rank, held.pid) == ("Stopped", 1, 11)
@@ -173,6 +173,6 @@ def test_a_held_process_before_the_first_failure_is_the_root_cause(group):
     )
     assert records[1][1].type == "torch.distributed.DistBackendError"
     # Stopped only a moment before: no cause of anything.
-    group.watch.update(group, 1, _procs((11, "running", 3.0, "python -m rank")), None, None, 995.0)
-    group.watch.update(group, 1, _procs((11, "stopped", 3.0, "python -m rank")), None, None, 999.5)
+    group.vitals.update(group, 1, _procs((11, "running", 3.0, "python -m rank")), None, None, 995.0)
+    group.vitals.update(group, 1, _procs((11, "stopped", 3.0, "python -m rank")), None, None, 999.5)
     assert failures.ordered(group, "vm", None)[0][1].type == "torch.distributed.DistBackendError"
