@@ -196,7 +196,7 @@ def held_record(group: Group, host: str, before: float) -> ErrorRecord | None:
     """The error record of a process held stopped or in disk wait since before `before`, if any."""
     from .phases import STUCK_STATES  # the watch's own names for the states
 
-    seen = [*group.watch.procs.values(), *group.watch.held_gone.values()]
+    seen = [*group.vitals.procs.values(), *group.vitals.held_gone.values()]
     held = [p for p in seen if p.state in STUCK_STATES and p.since <= before - HELD_MIN_S]
     if not held:
         return None
@@ -211,7 +211,7 @@ def held_record(group: Group, host: str, before: float) -> ErrorRecord | None:
             f"{p.who()} was {STUCK_STATES[p.state]} from {before - p.since:.0f} s before the first failure; "
             "its peers' failures followed from waiting for it"
         ),
-        traceback=group.watch.table(before),
+        traceback=group.vitals.table(before),
         time=p.since,
         source="stall",
         path=str(rank.log_path) if rank is not None else None,
