@@ -201,8 +201,10 @@ def _assert_resumed(daemon, run: dict, reference: dict, out: Path, before: list[
     }
     # Every batch once in the rows files: none redone, none lost.
     assert sorted(line["batch"] for line in rows_lines(out)) == list(range(BATCHES))
-    # Byte for byte the uninterrupted run's rows, counts and token frequencies.
+    # Byte for byte the uninterrupted run's rows (the arrow files themselves), counts and token frequencies.
     assert columns(out / "regenerate") == columns(reference["out"] / "regenerate")
+    arrow = lambda o: [p.read_bytes() for p in sorted((o / "regenerate" / "dataset").glob("*.arrow"))]  # noqa: E731
+    assert arrow(out) == arrow(reference["out"]) and arrow(out)
     assert (out / "regenerate" / "token_freq.npy").read_bytes() == (
         reference["out"] / "regenerate" / "token_freq.npy"
     ).read_bytes()
