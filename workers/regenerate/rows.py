@@ -13,9 +13,11 @@ tiny test template's <|end|>, DeepSeek's <｜end▁of▁sentence｜>) or right a
 that mark only the content). The target's answer ends with its own stop token (vLLM keeps it as
 the last of token_ids), so the rebuilt row keeps exactly one end-of-turn where the original had
 it: an answer's stop token is dropped when the original's end-of-turn follows the span (the
-copied tokens bring it), and kept, trained on, when it was inside the span. An answer cut at
-max_tokens has no end: when the original span ended in one, that token is put back, with loss 0
-(the template's, not the target's: the draft must not learn an end the target did not say).
+copied tokens bring it), and kept, trained on, when it was inside the span. What a template
+writes after the end-of-turn inside the mask (a prefix-rendered mask takes ChatML's "\n" after
+<|im_end|>) follows the answer, as context. An answer cut at max_tokens has no end: when the
+original span held one, that token is put back, with loss 0 (the template's, not the target's:
+the draft must not learn an end the target did not say).
 
 A row is never longer than data.max_length, nor any prompt than the engine's context: a turn's
 budget is the least of max_tokens and the room left under both (`limit`). A row whose first
@@ -132,16 +134,21 @@ class RowJob:
         # Cut by the room left under the row's limit rather than by max_tokens: the row ends here.
         full = not stopped and len(tokens) >= budget and budget < self.max_tokens
         self.turns.append((len(tokens), STOP if stopped else MAX_LENGTH if full else MAX_TOKENS))
-        end_after = end < len(self.ids) and self.ids[end] in self.stop_ids
-        end_inside = self.ids[end - 1] in self.stop_ids
+        # The original's end of turn: the last stop token inside the span, and what the template
+        # wrote after it within the mask (the prefix method's "\n" after <|im_end|>); else a stop
+        # token right after the span, which the copied tokens bring.
+        inside = [i for i in range(start, end) if self.ids[i] in self.stop_ids]
+        end_at = inside[-1] if inside else None
+        end_after = end_at is None and end < len(self.ids) and self.ids[end] in self.stop_ids
         answer = tokens[:-1] if stopped and end_after else tokens
         self._append(answer, 1)
         self._cursor = end
         if full:
             self._end(cut=True)
             return
-        if not stopped and end_inside and len(self.out_ids) < self.limit:
-            self._append([self.ids[end - 1]], 0)
+        if end_at is not None:
+            # The template's own tokens, which the target did not say: context, loss 0.
+            self._append(([] if stopped else [self.ids[end_at]]) + self.ids[end_at + 1 : end], 0)
         if self._todo:
             self._copy_to(self._todo[0][0])
         else:

@@ -68,6 +68,19 @@ def test_an_end_of_turn_after_the_mask_is_not_doubled():
     assert j.out_mask == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 1, 0]
 
 
+def test_what_the_template_writes_after_its_end_inside_the_mask_follows_the_answer():
+    # ChatML masked by rendering prefixes: the span is content, <|im_end|> (E) and "\n" (NL).
+    NL = 13
+    ids = [U, 30, E, NL, A, 40, 41, E, NL, U, 31, E, NL, A, 42, E, NL]
+    mask = [0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1]
+    j = job(ids, mask, max_tokens=2)
+    j.take([90, E], "stop")
+    assert j.pending()[0] == [U, 30, E, NL, A, 90, E, NL, U, 31, E, NL, A]  # one E, and its "\n"
+    j.take([91, 92], "length")
+    assert j.out_ids == [U, 30, E, NL, A, 90, E, NL, U, 31, E, NL, A, 91, 92, E, NL]
+    assert j.out_mask == [0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0]
+
+
 def test_an_answer_cut_at_max_tokens_gets_the_templates_end_back_at_loss_zero():
     j = job(INSIDE_IDS, INSIDE_MASK, max_tokens=3)
     j.take([90, 91, 92], "length")
