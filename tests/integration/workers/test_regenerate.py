@@ -63,6 +63,9 @@ def test_the_target_rewrites_every_turn_and_counts_them(reference):
     proc = json.loads((Path(attempt["dir"]) / "tp-0.proc.json").read_text())
     assert (proc["tp_rank"], proc["driver_rank"]) == (0, 0)
     assert f"(Worker_TP0 pid={proc['pid']})" in (Path(attempt["dir"]) / "tp-0.log").read_text()
+    assert [(r["rank"], r["role"], r["tp_rank"], r["pid"]) for r in attempt["ranks"]][1:] == [
+        (1, "tp-worker", 0, proc["pid"])
+    ]
     assert _stage(reference["run"], "regenerate")["tok_s"] > 0  # generated tokens, through the progress file
     assert (s["rows"], s["rows_out"], s["rows_failed"], s["batches"]) == (ROWS, ROWS, 0, BATCHES)
     # The fitted target ends some answers itself and runs past max_tokens on others.
