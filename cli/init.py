@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.cli import initplan
-from eyas.state import runconfig, trainsteps
+from eyas.state import regenerate, runconfig, trainsteps
 from eyas.state.specs import DEFAULT_PIPELINE
 from eyas.state.target import default_layer_ids, text_value
 from eyas.workers.doctor.check import human_bytes
@@ -344,9 +344,16 @@ def render(
         f"output_dir is left out: the daemon writes under <state>/runs/<id>/out. {disk}; "
         "set output_dir to a folder on a disk with that room."
     )
-    lines += _key(
-        "pipeline", list(DEFAULT_PIPELINE), "preflight (the checks above) runs first; preflight = false drops it"
+    # regenerate right after prepare: the draft learns from the answers the target itself gives
+    # (state/regenerate.py), which is what it will be asked to predict when it serves.
+    pipeline = list(DEFAULT_PIPELINE)
+    pipeline.insert(pipeline.index("prepare") + 1, "regenerate")
+    lines += _comment(
+        "preflight (the checks above) runs first; preflight = false drops it. regenerate has the target "
+        "answer the data's prompts again, so the draft learns the target's own answers; drop it to train "
+        "on the data's answers as they are."
     )
+    lines += _key("pipeline", pipeline)
 
     lines += ["", "[target]", *_key("path", str(Path(facts.path).absolute())), *_key("dtype", dtype, dtype_why)]
     if remote.data.get("auto_map"):
@@ -360,6 +367,16 @@ def render(
     lines += _key("format", "auto", "sharegpt, openai messages or tokenized rows, per file")
     lines += _key("max_length", max_length, length_why)
     lines += _key("validation_fraction", fraction, "held out: validation loss each epoch, evaluate's prompts")
+
+    lines += ["", "[regenerate]"]
+    lines += _comment(
+        "The target writes every assistant turn again in vLLM, turn by turn, each on its own earlier "
+        "answers, greedy by default; finished batches survive a kill (eyas retry resumes them)."
+    )
+    lines += _key("temperature", regenerate.RegenerateConfig().temperature, "0: greedy, as evaluate measures")
+    regen_tokens = min(max_length, regenerate.RegenerateConfig().max_tokens)
+    lines += _key("max_tokens", regen_tokens, "per answer, at most; never past data.max_length")
+    lines += _key("batch_size", regenerate.RegenerateConfig().batch_size, "rows generated, and resumed, together")
 
     lines += ["", "[extract]", *_comment(f"{plan.why}.")]
     lines += _key("backend", plan.backend, "vLLM, sharded" if plan.backend == "vllm" else "transformers")

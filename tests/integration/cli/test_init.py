@@ -141,6 +141,10 @@ def test_demo_target_without_gpus_is_a_cpu_run_on_the_hf_backend(tmp_path, demo_
     # The checkpoint's own dtype: the demo's target is saved in float32.
     assert run["target"]["dtype"] == json.loads((demo_target / "config.json").read_text())["dtype"]
     assert "stages" not in run  # one hf rank: nothing to override
+    # The target answers the prompts again before anything reads the data (regenerate).
+    assert run["pipeline"] == ["prepare", "regenerate", "extract", "vocab", "train", "evaluate"]
+    regen_tokens = min(run["data"]["max_length"], 1024)  # never past max_length, nor the default
+    assert run["regenerate"] == {"temperature": 0.0, "max_tokens": regen_tokens, "batch_size": 64}
 
 
 @pytest.mark.parametrize(
