@@ -102,18 +102,20 @@ class Stages:
             shown.update(loss=latest["loss"], acc=latest.get("acc_0"))
         if "val_loss" in latest:
             shown["val"] = latest["val_loss"]
-        for key in ("accept_len", "baseline_accept_len"):
-            if key in latest:
-                shown[key] = latest[key]
+        for key in ("accept_len", "baseline_accept_len", "gain"):
+            for name in (key, f"{key}_lo", f"{key}_hi"):
+                if name in latest:
+                    shown[name] = latest[name]
         for key, label in (
             ("loss", "loss {:.4f}"),
             ("acc", "acc₀ {:.2f}"),
             ("val", "val {:.4f}"),
             ("accept_len", "accept {:.2f}"),
             ("baseline_accept_len", "untrained {:.2f}"),
+            ("gain", "gain {:.2f}"),
         ):
             if shown.get(key) is not None:
-                bits.append(label.format(shown[key]))
+                bits.append(label.format(shown[key]) + _span(shown.get(f"{key}_lo"), shown.get(f"{key}_hi")))
         if live.get("eta_s") is not None and not waiting:
             bits.append(f"ETA {human_duration(live['eta_s'])}")
         self.progress[stage] = float(live.get("progress") or 0.0)
@@ -332,6 +334,13 @@ def _num(value, fmt: str) -> str:
     return format(value, fmt) if isinstance(value, (int, float)) else "?"
 
 
+def _span(lo, hi) -> str:
+    """` [lo, hi]`, an interval after its figure; nothing without one (older summaries)."""
+    if isinstance(lo, (int, float)) and isinstance(hi, (int, float)):
+        return f" [{lo:.2f}, {hi:.2f}]"
+    return ""
+
+
 def result(stage: str, s: dict | None) -> str:
     """One line of what a stage made, from its summary.json (known stages; else nothing)."""
     if not s:
@@ -353,9 +362,13 @@ def result(stage: str, s: dict | None) -> str:
     if stage == "evaluate" and "acceptance_length" in s:
         rates = "/".join(_num(r, ".2f") for r in s.get("per_position") or [])
         base = _num(s.get("baseline_acceptance_length"), ".2f")
+        accept = _num(s["acceptance_length"], ".2f") + _span(
+            s.get("acceptance_length_lo"), s.get("acceptance_length_hi")
+        )
+        gain = f", gain {_num(s['gain'], '.2f')}{_span(s.get('gain_lo'), s.get('gain_hi'))}" if "gain" in s else ""
         return (
-            f"accept {_num(s['acceptance_length'], '.2f')} (untrained {base}), per position {rates}, "
-            f"{_num(s.get('draft_tok_s'), ',.0f')} tok/s with the draft, {_num(s.get('target_tok_s'), ',.0f')} "
-            f"without, {'lossless' if s.get('lossless') else 'NOT lossless'}"
+            f"accept {accept} (untrained {base}){gain}, per position {rates}, "
+            f"{_num(s.get('draft_tok_s'), ',.0f')} tok/s ({_num(s.get('target_tok_s'), ',.0f')} without), "
+            f"{'lossless' if s.get('lossless') else 'NOT lossless'}"
         )
     return ""

@@ -294,6 +294,11 @@ def _num(value, fmt: str) -> str:
     return format(value, fmt) if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
 
 
+def _interval(lo, hi) -> str:
+    """`[1.252, 1.617]`; empty without one (older summaries, a vLLM with no per-request counts)."""
+    return f"[{_num(lo, '.3f')}, {_num(hi, '.3f')}]" if _num(lo, ".3f") and _num(hi, ".3f") else ""
+
+
 def evaluate_lines(run: dict) -> list[str]:
     """The evaluate stage's figures: the trained draft beside its untrained baseline and the
     target alone; nothing when the run has no evaluate summary."""
@@ -310,6 +315,7 @@ def evaluate_lines(run: dict) -> list[str]:
         [
             "trained",
             _num(s["acceptance_length"], ".3f"),
+            _interval(s.get("acceptance_length_lo"), s.get("acceptance_length_hi")),
             _num(s.get("acceptance_rate"), ".1%"),
             _rates(s.get("per_position")),
             _num(s.get("draft_tok_s"), ",.0f"),
@@ -317,19 +323,33 @@ def evaluate_lines(run: dict) -> list[str]:
         [
             "untrained",
             _num(s.get("baseline_acceptance_length"), ".3f"),
+            _interval(s.get("baseline_acceptance_length_lo"), s.get("baseline_acceptance_length_hi")),
             _num(s.get("baseline_acceptance_rate"), ".1%"),
             _rates(s.get("baseline_per_position")),
             _num(s.get("baseline_tok_s"), ",.0f"),
         ],
-        ["no draft", "", "", "", _num(s.get("target_tok_s"), ",.0f")],
+        ["no draft", "", "", "", "", _num(s.get("target_tok_s"), ",.0f")],
     ]
+    headers = ["draft", "accept len", "95 % interval", "accept rate", "per position", "tok/s"]
+    right = [False, True, False, True, False, True]
+    if not any(row[2] for row in cells):  # a summary from before the intervals
+        cells, headers, right = ([c[:2] + c[3:] for c in cells], headers[:2] + headers[3:], right[:2] + right[3:])
     lines = ["", head]
-    lines += out.plain_table(
-        ["draft", "accept len", "accept rate", "per position", "tok/s"],
-        cells,
-        [False, True, True, False, True],
-        indent="  ",
-    )
+    lines += out.plain_table(headers, cells, right, indent="  ")
+    if isinstance(s.get("gain"), (int, float)):
+        how = s.get("interval") or {}
+        units = f"{how.get('units')} {how.get('unit')}s" if how.get("units") is not None else "the prompts"
+        spread = _interval(s.get("gain_lo"), s.get("gain_hi"))
+        gate = {
+            "passed": f"quality gate passed (evaluate.min_gain = {_num(s.get('min_gain'), 'g')})",
+            "failed": f"quality gate FAILED: below evaluate.min_gain = {_num(s.get('min_gain'), 'g')}",
+            "off": "quality gate off (evaluate.min_gain = 0)",
+        }.get(s.get("gate"), "")
+        lines.append(
+            f"  gain {_num(s['gain'], '.3f')}{' ' + spread if spread else ''} over the untrained draft "
+            f"({round(100 * how.get('level', 0.95))} % paired bootstrap over {units}, "
+            f"{s.get('answer_tokens')} answer tokens)" + (f"; {gate}" if gate else "")
+        )
     differ = s.get("mismatched_prompts") or 0
     lines.append(
         f"  speedup x{_num(s.get('speedup'), '.2f')}; lossless: "

@@ -134,6 +134,7 @@ def describe_failure(group: Group, ex: RankExit, host: str) -> contract.ErrorRec
             time=float(e.get("time") or ex.time),
             source="exception",
             path=str(group.dir / path),
+            final=bool(e.get("final")),
             **tp,
         )
     tail = log_tail(rank.log_path)

@@ -88,7 +88,13 @@ def record(core, db, group: Group, account: Account, records: list[ErrorRecord])
             lead = "" if account.records[0][0] is None else f"{who(account.records[0][0])} failed: "
             why = f"{lead}{rec.type}" + (f": {rec.message}" if rec.message else "")
             store.move_attempt(db, group.attempt_id, "failed", why, now=end)
-            if cancel is None and srow["restarts"] < (srow["max_restarts"] or 0) and not core.stopping:
+            # A final failure (the stage's word: a rerun fails the same way) is never restarted.
+            if (
+                cancel is None
+                and not rec.final
+                and srow["restarts"] < (srow["max_restarts"] or 0)
+                and not core.stopping
+            ):
                 n = srow["restarts"] + 1
                 backoff = core._backoff(db, run_id, stage) * (2 ** (n - 1))
                 # Due from the real end: a write that waited out a lock does not push it back.

@@ -143,6 +143,9 @@ class ErrorRecord:
     path: str | None = None  # the file that says more: the error file, else the rank's log
     role: str | None = None  # "tp-worker" for a vLLM TP worker, else None
     tp_rank: int | None = None
+    # The stage's own word that a rerun fails the same way (its error file's "final": evaluate's
+    # quality gate): the settlement restarts no attempt for it, whatever max_restarts says.
+    final: bool = False
 
     def replace(self, **changes) -> ErrorRecord:
         return dataclasses.replace(self, **changes)
@@ -151,4 +154,5 @@ class ErrorRecord:
         """The keyword arguments of state.store.record_error."""
         out = dataclasses.asdict(self)
         out["time_"] = out.pop("time")
+        del out["final"]  # decides the restart only; not a column
         return out

@@ -43,7 +43,10 @@ def pipeline_toml(target: Path, data: Path) -> str:
         resources={"ranks": 2, "devices": "cpu"},
         draft={"vocab_size": 256},
         train={"epochs": 2, "lr": 1e-3, "batch_tokens": 512},
-        evaluate={"max_tokens": 32},
+        # The quality gate off: 2 epochs on 80 chats teach this draft little (a gain of 0.03 [0.00,
+        # 0.09] over the untrained one, measured), and this run tests the pipeline's plumbing; the
+        # gate has its own tests (tests/integration/workers/test_evaluate.py).
+        evaluate={"max_tokens": 32, "min_gain": 0},
         stages={stage: {"stall_timeout": 180} for stage in STAGES},
     )
 
@@ -145,14 +148,18 @@ def test_evaluate_measures_the_trained_draft_in_vllm_and_records_it(daemon, pipe
     ev, tr = stages["evaluate"]["summary"], stages["train"]["summary"]
     out = Path(run["output_dir"])
     # The train stage's draft, as the target's EAGLE-3 speculator in vLLM's CPU build, beside the
-    # untrained draft training started from; 12 validation prompts, greedy, k = 3.
+    # untrained draft training started from; every turn of the 12 validation chats (25 prompts),
+    # greedy, k = 3; the quality gate off (pipeline_toml says why).
     assert (ev["draft"], ev["baseline_draft"]) == (tr["checkpoint"], str(out / "evaluate" / "baseline-draft"))
-    assert (ev["prompts"], ev["prompt_source"], ev["num_speculative_tokens"], ev["max_tokens"]) == (
+    assert (ev["prompts"], ev["chats"], ev["prompt_source"], ev["num_speculative_tokens"], ev["max_tokens"]) == (
+        25,
         12,
         "validation split",
         3,
         32,
     )
+    assert (stages["evaluate"]["state"], ev["gate"], ev["min_gain"]) == ("succeeded", "off", 0), ev
+    assert ev["acceptance_length_lo"] <= ev["acceptance_length"] <= ev["acceptance_length_hi"]
     assert (ev["device"], ev["tensor_parallel_size"], ev["vllm_version"]) == ("cpu", 1, "0.32.0")
     assert (ev["lossless"], ev["mismatched_prompts"]) == (True, 0)
     assert ev["trained"]["drafts"] > 0 and ev["trained"]["draft_tokens"] == 3 * ev["trained"]["drafts"]
@@ -177,7 +184,7 @@ def test_evaluate_measures_the_trained_draft_in_vllm_and_records_it(daemon, pipe
 
     # The engines' output is in the rank's log (vLLM loaded the draft as a drafter).
     log = (Path(stages["evaluate"]["attempt_list"][0]["dir"]) / "rank-0.log").read_text()
-    assert "Loading drafter model" in log and "eyas evaluate [trained]: 12 prompts" in log
+    assert "Loading drafter model" in log and "eyas evaluate [trained]: 25 prompts" in log
 
     # And it reaches the history: `eyas runs` and `eyas show`.
     env = {**os.environ, "EYAS_HOME": str(daemon.home)}

@@ -326,20 +326,32 @@ class RunScreen(EyasScreen):
         if "acceptance_length" in summary:
             rates = "/".join(f"{r:.2f}" for r in summary.get("per_position") or [])
             base = summary["baseline_acceptance_length"]
+            accept = f"{summary['acceptance_length']:.2f}" + _span(
+                summary.get("acceptance_length_lo"), summary.get("acceptance_length_hi")
+            )
+            gain = (
+                f", gain {summary['gain']:.2f}{_span(summary.get('gain_lo'), summary.get('gain_hi'))}"
+                if isinstance(summary.get("gain"), (int, float))
+                else ""
+            )
+            on = f" on {summary['prompts']} prompts" if isinstance(summary.get("prompts"), int) else ""
             bits = [
-                f"accept {summary['acceptance_length']:.2f} (untrained {base:.2f})",
+                f"accept {accept} (untrained {base:.2f}){gain}{on}",
                 f"per position {rates}",
                 f"{display.count(summary['draft_tok_s'])} tok/s with the draft, {display.count(summary['target_tok_s'])} "
                 "without",
             ]
             return bits + ["lossless" if summary.get("lossless") else "NOT lossless"]
         bits = []
-        for name, label in (("accept_len", "accept"), ("baseline_accept_len", "untrained")):
+
+        def latest(name: str) -> float | None:
             value = self.app.live.last_any_rank(self.run_id, s["name"], attempt, name) if live else None
-            if value is None:
-                value = self.app.history.latest(self.run_id, s["name"], attempt, name)
+            return self.app.history.latest(self.run_id, s["name"], attempt, name) if value is None else value
+
+        for name, label in (("accept_len", "accept"), ("baseline_accept_len", "untrained"), ("gain", "gain")):
+            value = latest(name)
             if value is not None:
-                bits.append(f"{label} {value:.2f}")
+                bits.append(f"{label} {value:.2f}" + _span(latest(f"{name}_lo"), latest(f"{name}_hi")))
         return bits
 
     def _show_cause(self) -> None:
@@ -472,3 +484,10 @@ class RunScreen(EyasScreen):
             SubmitScreen(self.run["config_path"] if self.run else ""),
             lambda result: result and self.notify(f"Run {result['run_id']} submitted"),
         )
+
+
+def _span(lo, hi) -> str:
+    """` [lo, hi]`, an evaluate figure's 95 % interval; nothing without one (older summaries)."""
+    if isinstance(lo, (int, float)) and isinstance(hi, (int, float)):
+        return f" [{lo:.2f}, {hi:.2f}]"
+    return ""

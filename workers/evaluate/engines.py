@@ -24,6 +24,19 @@ vllm:spec_decode_num_draft_tokens, vllm:spec_decode_num_accepted_tokens (Counter
 vllm:spec_decode_num_accepted_tokens_per_pos (Vector, one value per draft position). They are
 read before and after the timed run and subtracted, so the warm-up does not count.
 LLM.get_metrics() needs disable_log_stats=False.
+
+Per prompt (the evaluate stage's intervals are bootstrapped over prompts): vLLM's per-request
+speculative-decoding metrics (engine argument per_request_spec_decode_metrics="summary", vLLM
+0.32 on; CompletionOutput.spec_decode_metrics on each finished request): a histogram of the
+draft tokens accepted at each verify step of that request (index j: j accepted) and the draft
+tokens it proposed. The scheduler updates it where it updates the aggregate counters, from the
+same numbers (vllm/v1/core/sched/scheduler.py: update_from_output), so the per-prompt counts
+add up to the counters exactly, and they come from the timed run itself: one list increment
+per request and step, nothing a tok/s figure can see. The alternatives would cost more or
+measure something else: a separate acceptance pass doubles each engine's generation time, and
+counters read around groups of prompts would break the one batch the throughput is timed on.
+A vLLM without the argument gives aggregate counters only (per_prompt None; the stage then
+reports no interval).
 """
 
 from __future__ import annotations
@@ -117,9 +130,38 @@ def engine_args(spec: Spec) -> dict[str, Any]:
             "num_speculative_tokens": spec.num_speculative_tokens,
         }
     args.update(spec.engine_options)
+    if spec.draft is not None and per_request_metrics_supported():
+        # After the user's options: the per-prompt counts are the intervals' data.
+        args["per_request_spec_decode_metrics"] = "summary"
     if spec.cpu_mla:
         args = with_native_rotary(args)
     return args
+
+
+def per_request_metrics_supported() -> bool:
+    """Whether the installed vLLM counts speculative decoding per request (0.32 on)."""
+    import dataclasses
+
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:  # no vLLM here (the parent process, a unit test): the child decides
+        return True
+    return any(f.name == "per_request_spec_decode_metrics" for f in dataclasses.fields(EngineArgs))
+
+
+def prompt_counts(metrics: Any, k: int) -> dict[str, Any] | None:
+    """One request's counts (drafts, draft_tokens, accepted, accepted_per_pos: the counters'
+    shape) from its RequestSpecDecodeMetrics; None without one. vLLM accepts a prefix of each
+    draft, so a step that accepted j tokens accepted positions 0..j-1."""
+    if metrics is None:
+        return None
+    hist = [int(n) for n in metrics.histogram]
+    return {
+        "drafts": sum(hist),
+        "draft_tokens": int(metrics.num_draft_tokens),
+        "accepted": sum(j * n for j, n in enumerate(hist)),
+        "accepted_per_pos": [sum(hist[j] for j in range(i + 1, len(hist))) for i in range(k)],
+    }
 
 
 def counters(metrics: list) -> dict[str, Any]:
@@ -206,6 +248,13 @@ def _generate(spec: Spec) -> dict[str, Any] | None:
     after = counters(llm.get_metrics())
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
     generated = sum(len(t) for t in token_ids)
+    per_prompt = None
+    if spec.draft is not None:
+        per_prompt = [
+            prompt_counts(getattr(o.outputs[0], "spec_decode_metrics", None), spec.num_speculative_tokens) for o in outs
+        ]
+        if any(p is None for p in per_prompt):
+            per_prompt = None  # this vLLM does not count per request
     result = {
         "label": spec.label,
         "token_ids": token_ids,
@@ -214,6 +263,7 @@ def _generate(spec: Spec) -> dict[str, Any] | None:
         "tok_s": generated / seconds if seconds > 0 else None,
         "load_seconds": load_s,
         "counters": delta(after, before) if spec.draft is not None else None,
+        "per_prompt": per_prompt,
     }
     print(
         f"eyas evaluate [{spec.label}]: {len(token_ids)} prompts, {generated} tokens in {seconds:.2f}s "

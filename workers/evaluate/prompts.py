@@ -1,9 +1,14 @@
 """The evaluate stage's held-out prompts, as token ids.
 
 Two sources:
-- the validation split of the prepare stage (default): each held-out row's tokens before its
-  first loss-masked (assistant) token, i.e. the conversation up to the point where the target
-  starts answering, rendered exactly as the draft saw it in training;
+- the validation split of the prepare stage (default): one prompt per assistant turn of each
+  held-out row, the row's tokens before that turn's first loss-masked token, i.e. the
+  conversation up to each point where the target starts answering (the earlier turns' answers
+  are the dataset's), rendered exactly as the draft saw it in training. Every turn, not only
+  the first: a chat's first answers are not its typical ones (on the demo they are its
+  shortest), and a small validation split gives about twice the prompts (the demo: 56 from 30
+  chats). A chat's turns share its topic and style, so the stage's bootstrap resamples whole
+  chats (workers/evaluate/bootstrap.py), never its turns one by one;
 - evaluate.prompts, a JSONL file, one prompt per line, in any of these forms:
     {"prompt": "text"}                 tokenized as is (the tokenizer's own special tokens)
     {"prompt_token_ids": [1, 2, 3]}    used as is
@@ -26,9 +31,15 @@ class PromptError(ValueError):
     """The prompts cannot be read."""
 
 
+def turn_starts(mask: list[int]) -> list[int]:
+    """Where each answer starts: the positions of loss-masked tokens that follow an unmasked
+    one (a mask that starts masked has no prompt before its first answer)."""
+    return [i for i in range(1, len(mask)) if mask[i] and not mask[i - 1]]
+
+
 def from_validation(prepare_dir: Path, limit: int) -> tuple[list[list[int]], list[int]]:
-    """(prompts, their dataset row numbers): the first `limit` (0: all) validation rows that
-    have a prompt before their first assistant token."""
+    """(prompts, the dataset row of each): one prompt per assistant turn of the validation rows,
+    in row order and turn order, the first `limit` (0: all) of them."""
     from datasets import load_from_disk
 
     splits, ds_path = prepare_dir / "splits.json", prepare_dir / "dataset"
@@ -47,18 +58,15 @@ def from_validation(prepare_dir: Path, limit: int) -> tuple[list[list[int]], lis
     prompts, used = [], []
     for row in rows:
         item = data[row]
-        mask = item["loss_mask"]
-        first = next((i for i, m in enumerate(mask) if m), 0)
-        if first == 0:
-            continue  # nothing before the first answer token: no prompt to give
-        prompts.append([int(t) for t in item["input_ids"][:first]])
-        used.append(row)
-        if limit and len(prompts) >= limit:
-            break
+        for start in turn_starts(list(item["loss_mask"])):
+            prompts.append([int(t) for t in item["input_ids"][:start]])
+            used.append(row)
+            if limit and len(prompts) >= limit:
+                return prompts, used
     if not prompts:
         raise PromptError(
-            f"{splits}: none of the {len(rows)} validation rows has a prompt before its first "
-            "assistant token; set evaluate.prompts to a prompt file"
+            f"{splits}: none of the {len(rows)} validation rows has a prompt before an assistant "
+            "turn; set evaluate.prompts to a prompt file"
         )
     return prompts, used
 

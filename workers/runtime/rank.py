@@ -162,6 +162,8 @@ def error_record(exc: BaseException, *, rank: int | None, stage: str | None, att
     full = own.get("disk_full") if own else fulldisk.disk_full(exc)
     if full is not None:  # the file it could not write, for the root cause (daemon/failures.py)
         record["disk_full"] = full
+    if getattr(exc, "eyas_final", False):  # a rerun would fail the same way: never restarted (daemon/settle.py)
+        record["final"] = True
     return record
 
 

@@ -13,6 +13,20 @@ prompts (evaluate/prompts.py). Speculative decoding must be lossless: for every 
 ids with either draft must equal the target's own. A mismatch fails the stage, naming the
 first prompt and position that differ (after the figures are recorded).
 
+Error bars: vLLM counts drafts and accepted tokens per request (evaluate/engines.py says how,
+and why that costs the timed runs nothing), so each figure comes with a 95 % percentile
+bootstrap interval over prompts (evaluate/bootstrap.py: 2000 draws, seed 0, the same interval
+in every run; a held-out chat's turns are resampled together): the acceptance length and
+per-position rates of either draft, and the gain (trained - untrained acceptance length),
+paired, from the same draws.
+
+The quality gate: a trained draft whose gain is below evaluate.min_gain (0: off) fails the
+stage with QualityGateFailed, in words (what it accepted, against what, on how many prompts,
+the gain and its interval), after the figures are recorded, like a mismatch. The failure is
+final: the same draft on the same prompts gives the same figures (greedy, fixed seeds), so the
+daemon does not restart it whatever max_restarts says (the exception's `eyas_final`, carried by
+the rank's error record: daemon/settle.py).
+
 Engine settings (the code path is the same on CPU and GPU; only these differ):
 - tensor_parallel_size: evaluate.tensor_parallel_size, by default the run's
   (extract.tensor_parallel_size); the rank must see that many GPUs;
@@ -29,9 +43,10 @@ Extra engine arguments: [stages.evaluate] options = { vllm = { gpu_memory_utiliz
 Outputs: <output_dir>/evaluate/results.json (the figures, plus every prompt and each engine's
 output token ids), <output_dir>/evaluate/baseline-draft/ (the untrained draft), summary.json
 in the attempt dir (stored in SQLite by the daemon), and progress lines whose figures land in
-the metrics table: target_tok_s, draft_tok_s, baseline_tok_s, accept_len, accept_rate,
-accept_pos_<i>, baseline_accept_len, baseline_accept_rate, baseline_accept_pos_<i>, speedup,
-mismatched_prompts and lossless (1 or 0).
+the metrics table: target_tok_s, draft_tok_s, baseline_tok_s, accept_len, accept_len_lo,
+accept_len_hi, accept_rate, accept_pos_<i>, baseline_accept_len (and _lo, _hi),
+baseline_accept_rate, baseline_accept_pos_<i>, gain, gain_lo, gain_hi, prompts, answer_tokens,
+speedup, mismatched_prompts and lossless (1 or 0).
 """
 
 from __future__ import annotations
@@ -43,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.state import contract
+from eyas.workers.evaluate import bootstrap
 from eyas.workers.evaluate import report as eval_report
 from eyas.workers.evaluate.engines import Spec, measure_all
 from eyas.workers.runtime import atomic
@@ -57,6 +73,13 @@ class LosslessError(RuntimeError):
     """A draft changed the target's greedy output."""
 
 
+class QualityGateFailed(RuntimeError):
+    """The trained draft gains less acceptance length over the untrained one than
+    evaluate.min_gain. Final: a rerun measures the same (the daemon does not restart it)."""
+
+    eyas_final = True
+
+
 @dataclass(frozen=True)
 class Settings:
     target: str
@@ -69,6 +92,7 @@ class Settings:
     batch_size: int
     tp: int
     seed: int
+    min_gain: float
     draft_vocab: int
     num_layers: int
     ttt_steps: int
@@ -96,6 +120,7 @@ def settings(ctx) -> Settings:
         batch_size=ev.batch_size,
         tp=ev.tensor_parallel_size or cfg.extract.tensor_parallel_size,
         seed=cfg.train.seed,
+        min_gain=ev.min_gain,
         draft_vocab=cfg.draft.vocab_size,
         num_layers=cfg.draft.num_layers,
         ttt_steps=cfg.draft.ttt_steps,
@@ -219,12 +244,7 @@ def main(ctx) -> None:
     )
 
     summary, failures = report(results, s, rows, source, trained, baseline, version, cpu_build)
-    progress.update(
-        force=True,
-        speedup=summary["speedup"],
-        mismatched_prompts=summary["mismatched_prompts"],
-        lossless=1.0 if summary["lossless"] else 0.0,
-    )
+    progress.update(force=True, **_summary_metrics(summary))
     atomic.write_json(
         stage_dir / RESULTS,
         {
@@ -232,16 +252,25 @@ def main(ctx) -> None:
             "prompt_token_ids": prompts,
             "rows": rows,
             "outputs_by_engine": {k: v["token_ids"] for k, v in results.items()},
+            # Each prompt's drafts and accepted tokens (the bootstrap's data), per draft.
+            "per_prompt_by_engine": {k: v.get("per_prompt") for k, v in results.items() if k != "target"},
         },
     )
     atomic.write_json(ctx.attempt_dir / contract.SUMMARY, summary)
     log.info(
-        "evaluate: acceptance length %.3f with the trained draft, %.3f with the untrained baseline "
-        "(per position %s vs %s); %.1f tok/s with the draft, %.1f without (x%.2f); lossless: %s",
+        "evaluate: acceptance length %.3f %s with the trained draft, %.3f %s with the untrained baseline "
+        "(gain %.3f %s; per position %s vs %s) on %d prompts, %d answer tokens; %.1f tok/s with the draft, "
+        "%.1f without (x%.2f); lossless: %s",
         summary["acceptance_length"],
+        _span(summary["acceptance_length_lo"], summary["acceptance_length_hi"]),
         summary["baseline_acceptance_length"],
+        _span(summary["baseline_acceptance_length_lo"], summary["baseline_acceptance_length_hi"]),
+        summary["gain"],
+        _span(summary["gain_lo"], summary["gain_hi"]),
         _rates(summary["per_position"]),
         _rates(summary["baseline_per_position"]),
+        summary["prompts"],
+        summary["answer_tokens"],
         summary["draft_tok_s"],
         summary["target_tok_s"],
         summary["speedup"],
@@ -253,10 +282,59 @@ def main(ctx) -> None:
             + "; ".join(failures)
             + f" (every output is in {stage_dir / RESULTS})"
         )
+    verdict = gate(summary, s.min_gain)
+    if verdict is not None:
+        raise QualityGateFailed(verdict)
 
 
 def _rates(values: list[float]) -> str:
     return "/".join(f"{v:.2f}" for v in values)
+
+
+def _span(lo: float | None, hi: float | None) -> str:
+    return f"[{lo:.3f}, {hi:.3f}]" if lo is not None and hi is not None else "[no interval]"
+
+
+def gate(summary: dict[str, Any], min_gain: float) -> str | None:
+    """The quality gate's verdict: None when the trained draft gains at least `min_gain` in
+    acceptance length over the untrained one (or the gate is off, `min_gain` 0), else the
+    root cause in words."""
+    if min_gain <= 0 or summary["gain"] >= min_gain:
+        return None
+    lo, hi = summary["gain_lo"], summary["gain_hi"]
+    level = round(100 * summary["interval"]["level"])
+    spread = (
+        f"{level} % interval {lo:.2f} to {hi:.2f}" if lo is not None else "no interval: " + summary["interval"]["note"]
+    )
+    # "Nothing" when the gain could be none at all (its interval reaches 0); else "too little".
+    what = "learned nothing" if lo is None or lo <= 0 or summary["gain"] <= 0 else "learned too little"
+    return (
+        f"the draft {what}: acceptance {summary['acceptance_length']:.2f} against "
+        f"{summary['baseline_acceptance_length']:.2f} untrained on {summary['prompts']} prompts (gain "
+        f"{summary['gain']:.2f}, {spread}; evaluate.min_gain = {min_gain:g}); train it longer or on more data, "
+        "or lower evaluate.min_gain (0 turns the gate off)"
+    )
+
+
+def _summary_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """The progress-line figures of the whole measurement (beside each engine's, _metrics)."""
+    out = {
+        "speedup": summary["speedup"],
+        "mismatched_prompts": summary["mismatched_prompts"],
+        "lossless": 1.0 if summary["lossless"] else 0.0,
+        "gain": summary["gain"],
+        "prompts": summary["prompts"],
+        "answer_tokens": summary["answer_tokens"],
+    }
+    for key, name in (
+        ("acceptance_length", "accept_len"),
+        ("baseline_acceptance_length", "baseline_accept_len"),
+        ("gain", "gain"),
+    ):
+        for end in ("lo", "hi"):
+            if summary[f"{key}_{end}"] is not None:
+                out[f"{name}_{end}"] = summary[f"{key}_{end}"]
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _metrics(label: str, res: dict) -> dict[str, float]:
@@ -303,12 +381,24 @@ def report(
         if diff["mismatched_prompts"]:
             failures.append(eval_report.mismatch_text(f"{label} draft", diff))
     tr, base, tgt = per["trained"], per["baseline"], results["target"]
+    spread = intervals(results, s.k, rows, version)
+    for label, m in (("trained", tr), ("baseline", base)):
+        m["acceptance_length_interval"] = spread[label]["acceptance_length"]
+        m["per_position_interval"] = spread[label]["per_position"]
+    gain = tr["acceptance_length"] - base["acceptance_length"]
+    (lo, hi), (blo, bhi), (glo, ghi) = (
+        spread["trained"]["acceptance_length"] or (None, None),
+        spread["baseline"]["acceptance_length"] or (None, None),
+        spread["gain"] or (None, None),
+    )
     summary = {
         "outputs": [str(s.out / "evaluate" / RESULTS), str(baseline)],
         "draft": str(trained),
         "baseline_draft": str(baseline),
         "num_speculative_tokens": s.k,
         "prompts": len(ref),
+        "chats": len(set(rows)) if rows else None,  # validation prompts: the held-out chats they come from
+        "answer_tokens": tgt["tokens"],  # the target's greedy answers, all prompts together
         "prompt_source": source,
         "max_tokens": s.max_tokens,
         "batch_size": min(s.batch_size, len(ref)),
@@ -318,11 +408,21 @@ def report(
         "vllm_version": version,
         # The headline figures, flat (`eyas runs`, `eyas show`, the TUI and the demo read these).
         "acceptance_length": tr["acceptance_length"],
+        "acceptance_length_lo": lo,
+        "acceptance_length_hi": hi,
         "acceptance_rate": tr["acceptance_rate"],
         "per_position": tr["per_position"],
         "baseline_acceptance_length": base["acceptance_length"],
+        "baseline_acceptance_length_lo": blo,
+        "baseline_acceptance_length_hi": bhi,
         "baseline_acceptance_rate": base["acceptance_rate"],
         "baseline_per_position": base["per_position"],
+        # Trained - untrained acceptance length, and its paired interval (the same draws).
+        "gain": gain,
+        "gain_lo": glo,
+        "gain_hi": ghi,
+        "interval": spread["how"],
+        "min_gain": s.min_gain,
         "target_tok_s": tgt["tok_s"],
         "draft_tok_s": tr["tok_s"],
         "baseline_tok_s": base["tok_s"],
@@ -338,4 +438,40 @@ def report(
         "trained": tr,
         "baseline": base,
     }
+    summary["gate"] = "off" if s.min_gain <= 0 else ("failed" if gate(summary, s.min_gain) else "passed")
     return summary, failures
+
+
+def intervals(results: dict[str, dict], k: int, rows: list[int] | None, version: str) -> dict[str, Any]:
+    """The bootstrap's intervals of both drafts (evaluate/bootstrap.py), resampling held-out chats
+    (`rows`: each prompt's; a prompt file's prompts are each their own unit); where vLLM gave
+    no per-request counts, every interval None and a note that says why."""
+    per_prompt = {label: results[label].get("per_prompt") for label in ("trained", "baseline")}
+    how: dict[str, Any] = {
+        "method": "percentile bootstrap",
+        "level": bootstrap.LEVEL,
+        "resamples": bootstrap.RESAMPLES,
+        "seed": bootstrap.SEED,
+        "unit": "chat" if rows else "prompt",
+    }
+    if not all(per_prompt.values()):
+        how["note"] = f"vLLM {version} counts no drafts per request"
+        none = {"acceptance_length": None, "per_position": [None] * k}
+        return {"trained": none, "baseline": none, "gain": None, "how": how}
+    for label, counts in per_prompt.items():
+        total, agg = bootstrap.sum_counts(counts, k), results[label]["counters"]
+        if (total["drafts"], total["accepted"], total["accepted_per_pos"]) != (
+            agg["drafts"],
+            agg["accepted"],
+            list(agg["accepted_per_pos"][:k]),
+        ):
+            log.warning(
+                "evaluate: the %s draft's per-prompt counts (%s) do not add up to vLLM's counters (%s); "
+                "the intervals come from the per-prompt counts",
+                label,
+                total,
+                agg,
+            )
+    out = bootstrap.bootstrap(per_prompt, k, rows or None, paired=("trained", "baseline"))
+    how.update(units=out["units"], skipped=out["skipped"])
+    return {"trained": out["trained"], "baseline": out["baseline"], "gain": out["gain"], "how": how}

@@ -82,3 +82,25 @@ async def test_a_running_evaluate_shows_what_it_measured_so_far(home):
         await pilot.app.push_screen(RunScreen(run))
         text = await shows(pilot, app, "accept 1.18")
         assert "untrained" not in text
+
+
+async def test_the_run_screen_shows_the_intervals_and_the_gain(home):
+    """A summary with the bootstrap's intervals (workers/evaluate/bootstrap.py): each figure with
+    its 95 % interval, and the gain over the untrained draft with its own."""
+    h, done, _ = home
+    db = store.open_writer(paths.db_path(h))
+    summary = dict(
+        SUMMARY,
+        acceptance_length_lo=2.3012,
+        acceptance_length_hi=2.6049,
+        gain=1.4444,
+        gain_lo=1.2889,
+        gain_hi=1.5926,
+        prompts=256,
+    )
+    db["stages"].update(store.stage_row(db, done, "evaluate")["id"], {"summary_json": json.dumps(summary)})
+    db.conn.close()
+    app = EyasApp(h, socket=h / "no-daemon.sock", clock=lambda: world.NOW)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await pilot.app.push_screen(RunScreen(done))
+        await shows(pilot, app, "accept 2.46 [2.30, 2.60] (untrained 1.01), gain 1.44 [1.29, 1.59] on 256 prompts")

@@ -211,7 +211,7 @@ def test_minimal_config_gets_the_defaults(big_run_dir):
         evaluate=EvaluateConfig(
             num_speculative_tokens=3,
             max_tokens=128,
-            max_prompts=128,
+            max_prompts=256,
             prompts=None,
             batch_size=16,
             tensor_parallel_size=1,
