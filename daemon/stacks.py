@@ -17,6 +17,8 @@ import re
 import signal
 from pathlib import Path
 
+import psutil
+
 from eyas.wire.stacks import dump_of
 
 from . import native, phases
@@ -90,9 +92,19 @@ def with_descendants(entries: list[dict], watch, now: float, descendants: bool =
                 }
             )
     for e in entries:
-        p = watch.procs.get(e.get("pid"))
-        if p is not None and "skipped" not in e:
+        if "skipped" in e or not e.get("pid"):
+            continue
+        p = watch.procs.get(e["pid"])
+        if p is not None:
             e.update(phases.describe(p, now))
+        else:  # not sampled yet (it started within the last second): its state now, without a duration
+            try:
+                proc = psutil.Process(e["pid"])
+                with proc.oneshot():
+                    times = proc.cpu_times()
+                    e.update(state=proc.status(), cpu=round(times.user + times.system, 3))
+            except psutil.Error:
+                pass
     return entries
 
 

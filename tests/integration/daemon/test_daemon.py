@@ -291,8 +291,9 @@ def test_stacks_of_a_hung_stage_are_printed_and_the_ranks_live_on(daemon):
     assert [b.split(" ", 1)[0] for b in blocks] == ["0", "1"]
     for rank, (block, pid) in enumerate(zip(blocks, pids)):
         # Its state from /proc (how long in it, its CPU), then faulthandler's dump.
-        head = f"{rank} (pid {pid}), also in {logs[rank]}:\nstate: sleeping for "
+        head = f"{rank} (pid {pid}), also in {logs[rank]}:\nstate: "
         assert block.startswith(head) and "\n\nCurrent thread 0x" in block, block
+        assert re.match(r"(sleeping|running)\b", block[len(head) :]), block
         # The hung frame itself: selftest's sleep loop, called from the runtime's entry.
         assert 'selftest.py", line' in block and " in _fail\n" in block, block
         assert "hanging" not in block  # only faulthandler's lines, not the log's other output

@@ -110,7 +110,7 @@ def test_unknown_stage_is_an_error(start_rank):
     assert r.wait() == 1
     error = r.json("error.json")
     assert error["type"] == "LookupError"
-    assert error["message"].startswith("unknown stage 'nope': use one of preflight, prepare, extract")
+    assert error["message"].startswith("unknown stage 'nope': use one of preflight, prepare, regenerate, extract")
 
 
 def test_bad_selftest_option_names_the_fix(start_rank):
