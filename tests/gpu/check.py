@@ -119,6 +119,9 @@ class Profile:
     rtol: float
     fit_steps: int  # output-head fit (fit_head)
     timeout_s: int  # per submitted run
+    # evaluate.min_gain, the quality gate: off for the CPU rehearsal, whose tiny random-weight
+    # targets give a draft nothing to learn (it checks the plumbing); the default on GPUs.
+    min_gain: float = 0.1
 
 
 PROFILES = {
@@ -140,6 +143,7 @@ PROFILES = {
         eval_tokens=32,
         eval_batch=8,
         eval_vllm={},
+        min_gain=0.0,
         atol=1e-3,
         rtol=0.0,
         fit_steps=300,
@@ -417,6 +421,7 @@ def run_config(name: str, family: str, target: Path, data: Path, out: Path, prof
             "max_tokens": profile.eval_tokens,
             "max_prompts": profile.eval_prompts,
             "batch_size": profile.eval_batch,
+            "min_gain": profile.min_gain,
         },
         "stages": {"evaluate": {"options": {"vllm": profile.eval_vllm}}} if profile.eval_vllm else {},
     }
