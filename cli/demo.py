@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import eyas.workers
+from eyas.cli import output
 from eyas.state import paths, privacy
 from eyas.state import runconfig as run_config
 from eyas.wire.client import Client, DaemonError, DaemonNotRunning
@@ -94,15 +95,13 @@ def _ensure_daemon() -> bool:
 
 
 def command(args) -> int:
-    from rich.console import Console
-
     home = demo_home()
     os.environ["EYAS_HOME"] = str(home)
     # Everything the demo makes is its private state directory's (its config, the tiny target,
     # the chats, the daemon it starts and that daemon's runs): owner-only, as eyas's state is.
     os.umask(privacy.OWNER_ONLY)
     home.mkdir(mode=0o700, parents=True, exist_ok=True)
-    console = Console()
+    console = output.console()
     console.print(f"[bold]eyas demo[/bold]: state in {home}")
     t0 = time.monotonic()
     started = _ensure_daemon()

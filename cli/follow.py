@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 
+from eyas.cli import output
 from eyas.state import display, paths, queries
 from eyas.state.display import duration as human_duration
 from eyas.wire.client import Client
@@ -244,9 +245,7 @@ def _every() -> float:
 
 def follow(run_id: int, console=None) -> int:
     """Follow the run until it ends, then print its summary; 0 if it succeeded."""
-    from rich.console import Console
-
-    console = console or Console()
+    console = console or output.console()
     client = Client(timeout=None)
     events = client.subscribe(["state", "metric"], run=run_id)
     run = _snapshot(run_id)

@@ -88,6 +88,18 @@ STATE_STYLES = {
 }
 
 
+def console(file=None):
+    """A rich Console that never splits a line it prints when its output is not a terminal: piped
+    into a file or `tee`, a printed command ("eyas --home … logs 1 --stage train") must stay one
+    line that can be copied and run (rich wraps at 80 columns where it knows no width)."""
+    import sys
+
+    from rich.console import Console
+
+    stream = file if file is not None else sys.stdout
+    return Console(file=file, soft_wrap=not (hasattr(stream, "isatty") and stream.isatty()))
+
+
 def rich_table(header: list[str], cells: list[list[str]], right: list[bool], out) -> None:
     if len(cells) > RICH_MAX_ROWS:
         for line in plain_table(header, cells, right):
