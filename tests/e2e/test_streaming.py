@@ -56,6 +56,10 @@ def demo_toml(assets: dict, name: str, storage: dict | None = None, evaluate: bo
     text = text.replace('"assets/chat.jsonl"', json.dumps(str(assets["chat.jsonl"])))
     text = text.replace('name = "demo"', f'name = "{name}"')
     text = re.sub(r"^epochs = \d+", f"epochs = {EPOCHS}", text, flags=re.M)
+    # The quality gate off: EPOCHS epochs teach this draft less than the demo's (a gain of 0.09
+    # [0.05, 0.18] measured); these tests compare streaming with offline, the gate has its own.
+    text, gates = re.subn(r"^min_gain = .*$", "min_gain = 0", text, flags=re.M)
+    assert gates == 1, "demo.toml has no evaluate.min_gain line to turn off"
     for key, value in train.items():
         text = re.sub(rf"^{key} = .*$", f"{key} = {json.dumps(value)}", text, flags=re.M)
     if not evaluate:
