@@ -23,6 +23,10 @@ def slurm_demo_toml(made: dict) -> str:
     text = text.replace('"assets/tiny-deepseek"', json.dumps(str(made["tiny-deepseek"])))
     text = text.replace('"assets/chat.jsonl"', json.dumps(str(made["chat.jsonl"])))
     text = re.sub(r"^epochs = \d+", f"epochs = {EPOCHS}", text, flags=re.M)
+    # The quality gate off: 4 epochs teach the draft less than the demo's 16, and this test is
+    # about the executor (the gate has its own tests).
+    text, gates = re.subn(r"^min_gain = .*$", "min_gain = 0", text, flags=re.M)
+    assert gates == 1
     text = text.replace('devices = "cpu"', 'devices = "cpu"\nexecutor = "slurm"')
     assert 'executor = "slurm"' in text
     return text + '\n[slurm]\ntime_limit = "0:15:00"\n'
