@@ -7,6 +7,8 @@ what comes back: `metrics` rows through `state.store.insert_metrics`, the `ranks
 
 Progress counts are per rank: each rank writes its own cumulative samples/tokens (and its
 own totals), so a stage's figures are the sums over its ranks.
+
+Over 500 lines (one concern: turning one sample of every rank into rows): the progress-file phases and the process states joined it this session; issue 37 splits the per-rank reading from the roll-ups.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ Every query takes either a sqlite_utils.Database or a plain sqlite3.Connection: 
 call `db.execute`. Importing sqlite_utils costs about 0.5 s here (it imports pandas and
 numpy when they are installed), which alone would break the CLI's 0.5 s budget, so this
 module never imports it and `connect` opens a plain read-only connection.
+
+Over 500 lines while issue 37 is open: it splits these queries by screen (runs, a run, metrics, streaming, phases).
 """
 
 from __future__ import annotations

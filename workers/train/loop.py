@@ -15,6 +15,8 @@ Everything that decides which batch comes when is a pure function of the run's c
 
 Over 500 lines: one Trainer whose steps (data, model, resume, wrap, step, validate, save) are
 read in the order they run; its settings and schedule are workers/train/settings.py.
+
+Over 500 lines while issue 39 is open: moving training onto speculators' Trainer, or making this loop generic over its registry, is what shrinks it.
 """
 
 from __future__ import annotations

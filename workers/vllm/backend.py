@@ -43,6 +43,8 @@ anything. What eyas touches inside vLLM, and how each supported release is met:
 - decoder layers `(positions, hidden_states, residual, ...)` returning (hidden, residual),
   and the final norm called as norm(hidden, residual), as in 0.32's deepseek_v2.py and
   llama.py; the tap reads the names from each loaded class's signature.
+
+Over 500 lines (engine start, the batch walk and the data-parallel gather of one backend); issue 37 splits the gather and the engine start out.
 """
 
 from __future__ import annotations
