@@ -6,12 +6,14 @@ train's root cause, extract cancelled and never a root cause."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
 import psutil
 import pytest
 from daemon_harness import private_daemon, wait_for
+from ptrace_hold import held
 from runtoml import run_toml
 
 from eyas.state import queries, specs
@@ -20,7 +22,7 @@ from eyas.state import queries, specs
 pytestmark = pytest.mark.slow
 
 # The first daemon waits this long between its SIGTERM and SIGKILL of the torn-down half, whose
-# ranks the test has stopped (SIGSTOP): the window in which the daemon is killed. The second
+# ranks the test holds (ptrace_hold): the window in which the daemon is killed. The second
 # daemon's grace is short, so that it finishes the same teardown at once.
 FIRST_GRACE = 60.0
 SECOND_GRACE = 2.0
@@ -97,7 +99,7 @@ def _alive(procs) -> list[psutil.Process]:
 
 def test_a_daemon_killed_between_the_sibling_teardowns_record_and_its_settlement(target):
     model, data = target
-    with private_daemon(grace=FIRST_GRACE) as d:
+    with private_daemon(grace=FIRST_GRACE) as d, contextlib.ExitStack() as stack:
         run_id = d.submit(_toml(model, data))
 
         def both_live():
@@ -108,11 +110,10 @@ def test_a_daemon_killed_between_the_sibling_teardowns_record_and_its_settlement
             return (ex, tr, pids) if all(pids[0]) and all(pids[1]) and pids[0] and pids[1] else None
 
         _, _, (ex_pids, tr_pids) = wait_for(both_live, 120, 0.1, "extract and train running together")
-        # Extract's ranks cannot end on the teardown's SIGTERM now: only the SIGKILL after the
-        # grace ends them, and the daemon is dead by then.
+        # Extract's ranks cannot end on the teardown's SIGTERM now (nor resume on its SIGCONT): only
+        # the SIGKILL after the grace ends them, and the daemon is dead by then.
         stopped = [p for pid in ex_pids for p in _session(pid)]
-        for p in stopped:
-            p.send_signal(signal.SIGSTOP)
+        stack.enter_context(held([p.pid for p in stopped]))
         os.kill(tr_pids[0], signal.SIGKILL)
 
         # The daemon records extract's teardown as train's consequence, and train's end.
