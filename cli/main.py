@@ -30,6 +30,9 @@ COMMANDS = {
 }
 
 
+RUN_HELP = "the run's id (eyas runs lists them)"
+
+
 def _output_options(p: argparse.ArgumentParser) -> None:
     """The sqlite-utils style output flags every listing shares."""
     g = p.add_mutually_exclusive_group()
@@ -52,27 +55,31 @@ def build_parser() -> argparse.ArgumentParser:
     stop = dsub.add_parser("stop", help="stop the daemon; running groups get SIGTERM, then SIGKILL")
     stop.add_argument("--grace", type=float, default=None, help="override the daemon's grace period")
     status = dsub.add_parser("status", help="pid, uptime, socket, database and active runs")
-    status.add_argument("--json", action="store_true")
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
 
     s = sub.add_parser("submit", help="validate a run config and queue it")
     s.add_argument("config", help="the run's TOML file")
     s.add_argument("--follow", "-f", action="store_true", help="stream progress until the run ends")
 
-    for name, text in (
-        ("stop", "cancel a run, or one stage"),
-        ("retry", "start a new attempt that resumes completed work"),
+    for name, text, stage_help in (
+        ("stop", "cancel a run, or one stage", "only this stage (default: the whole run)"),
+        (
+            "retry",
+            "start a new attempt that resumes completed work",
+            "the stage to run again (default: the one that failed or was cancelled)",
+        ),
     ):
         c = sub.add_parser(name, help=text)
-        c.add_argument("run", type=int)
-        c.add_argument("--stage")
+        c.add_argument("run", type=int, help=RUN_HELP)
+        c.add_argument("--stage", help=stage_help)
     sk = sub.add_parser("skip", help="skip a stage")
-    sk.add_argument("run", type=int)
-    sk.add_argument("--stage", required=True)
+    sk.add_argument("run", type=int, help=RUN_HELP)
+    sk.add_argument("--stage", required=True, help="the stage to skip")
     r = sub.add_parser("resume", help="continue a failed or cancelled run")
-    r.add_argument("run", type=int)
+    r.add_argument("run", type=int, help=RUN_HELP)
     st = sub.add_parser("stacks", help="print the Python and native stacks of a running stage's processes (for a hang)")
-    st.add_argument("run", type=int)
-    st.add_argument("--stage")
+    st.add_argument("run", type=int, help=RUN_HELP)
+    st.add_argument("--stage", help="the stage whose ranks to dump (default: the running one)")
     st.add_argument("--wait", type=float, default=2.0, help="seconds to wait for the ranks' dumps (default 2)")
 
     runs = sub.add_parser("runs", help="list runs, newest first (works without the daemon)")
@@ -83,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     _output_options(runs)
 
     show = sub.add_parser("show", help="one run: stages, attempts, errors, ranks, outputs")
-    show.add_argument("run", type=int)
+    show.add_argument("run", type=int, help=RUN_HELP)
     show.add_argument(
         "--plot", action="store_true", help="draw the main curves (loss, accuracy, lr, tok/s, GPU memory)"
     )
@@ -98,11 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     _output_options(show)
 
     logs = sub.add_parser("logs", help="a rank's log, or all ranks merged by time")
-    logs.add_argument("run", type=int)
-    logs.add_argument("--stage")
-    logs.add_argument("--rank", type=int)
-    logs.add_argument("--attempt", type=int)
-    logs.add_argument("-f", "--follow", action="store_true")
+    logs.add_argument("run", type=int, help=RUN_HELP)
+    logs.add_argument("--stage", help="the stage (default: the run's current stage, else the last one that ran)")
+    logs.add_argument("--rank", type=int, help="only this rank's log (default: every rank, merged by time)")
+    logs.add_argument("--attempt", type=int, help="this attempt of the stage (default: its latest)")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing what is written, as tail -f")
     logs.add_argument("--grep", help="only lines matching this regular expression")
 
     met = sub.add_parser(
@@ -114,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         "themselves instead (time, stage, attempt, rank, name, value), every one, or with --points N each "
         "series as N bucket means. --tensorboard DIR writes them as TensorBoard event files.",
     )
-    met.add_argument("run", type=int)
+    met.add_argument("run", type=int, help=RUN_HELP)
     met.add_argument("--stage", help="only this stage")
     met.add_argument("--name", action="append", help="only this metric (repeat for more), e.g. loss")
     met.add_argument("--samples", action="store_true", help="the samples themselves, not one summary row per series")
@@ -129,12 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     _output_options(met)
 
     errs = sub.add_parser("errors", help="the root cause first, then the other ranks' failures")
-    errs.add_argument("run", type=int)
-    errs.add_argument("--stage")
+    errs.add_argument("run", type=int, help=RUN_HELP)
+    errs.add_argument("--stage", help="only this stage's errors")
     _output_options(errs)
 
     v = sub.add_parser("validate", help="check a run config without submitting it")
-    v.add_argument("config")
+    v.add_argument("config", help="the run's TOML file")
 
     doc = sub.add_parser("doctor", help="check a run config, its target and this machine (no weights loaded)")
     doc.add_argument("config", help="the run's TOML file")
@@ -155,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("demo", help="the whole pipeline on a tiny built-in target")
 
     t = sub.add_parser("tui", help="the terminal UI")
-    t.add_argument("run", type=int, nargs="?")
+    t.add_argument("run", type=int, nargs="?", help="open on this run (default: the list of runs)")
     t.add_argument("--readonly", action="store_true", help="hide and refuse every control")
     t.add_argument(
         "--serve", action="store_true", help="serve the TUI to a browser on 127.0.0.1, at a URL with a random token"

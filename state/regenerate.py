@@ -34,25 +34,48 @@ Turns = Literal["all", "last"]
 class RegenerateConfig(Table):
     """[regenerate]: how the target rewrites the dataset's assistant turns (workers/regenerate/)."""
 
-    temperature: float = Field(0.0, ge=0, le=10)  # 0: greedy
-    top_p: float = Field(1.0, gt=0, le=1)
-    # Tokens per regenerated turn at most; a turn never runs past data.max_length either.
-    max_tokens: int = Field(1024, ge=1, le=1_048_576)
-    # With temperature > 0, each request's own seed is drawn from (seed, row, turn): a resumed
-    # batch samples what the interrupted one would have.
-    seed: int = Field(0, ge=0, le=2**31 - 1)
-    # Rows per batch: the unit that is generated together, written whole and resumed.
-    batch_size: int = Field(64, ge=1, le=65536)
+    temperature: float = Field(0.0, ge=0, le=10, description="Sampling temperature of the answers; 0: greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling's probability mass; 1: off.")
+    max_tokens: int = Field(
+        1024,
+        ge=1,
+        le=1_048_576,
+        description="Tokens per regenerated turn at most; a row never grows past `data.max_length` either.",
+    )
+    seed: int = Field(
+        0,
+        ge=0,
+        le=2**31 - 1,
+        description="With a temperature, each request's seed comes from (seed, row, turn), so a resumed batch "
+        "samples what the interrupted one would have.",
+    )
+    batch_size: int = Field(
+        64,
+        ge=1,
+        le=65536,
+        description="Rows generated together, written whole and resumed: the unit of a retry's resume.",
+    )
     # None: extract.tensor_parallel_size (tensor_parallel_size() below).
-    tensor_parallel_size: int | None = Field(None, ge=1)
-    # "all": every assistant turn, each conditioned on the regenerated turns before it;
-    # "last": the last one only, the earlier turns kept as the data has them, as context.
-    turns: Turns = "all"
-    # Token ids that end a turn; None: the target's eos_token_id (generation_config.json, config.json).
+    tensor_parallel_size: int | None = Field(
+        None, ge=1, description="Tensor-parallel size of each engine (one per rank); unset: extract's."
+    )
+    turns: Turns = Field(
+        "all",
+        description="`all`: every assistant turn, each on the regenerated turns before it; `last`: the last "
+        "one only, the earlier turns kept as the data has them, as context.",
+    )
     # TOML arrays arrive as lists: strict=False lets them become the tuple (the items stay strict).
-    stop_token_ids: tuple[Annotated[int, Field(ge=0)], ...] | None = Field(None, strict=False)
-    # The preflight runs a short generation on a shrunk, dummy-weight copy of the target first.
-    canary: bool = True
+    stop_token_ids: tuple[Annotated[int, Field(ge=0)], ...] | None = Field(
+        None,
+        strict=False,
+        description="More token ids that end a turn, beside the target's `eos_token_id` "
+        "(generation_config.json, config.json).",
+    )
+    canary: bool = Field(
+        True,
+        description="Run the generation's canary in preflight: a few short answers through the same engine "
+        "on a shrunken, dummy-weight copy of the target.",
+    )
 
 
 def data_stage(pipeline: Sequence[str] | None) -> str:

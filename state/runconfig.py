@@ -170,38 +170,80 @@ AbsPath = Annotated[str, BeforeValidator(_path)]
 
 
 class TargetConfig(Table):
+    """[target]: the model the draft is trained for."""
+
     path: AbsPath = Field(
-        json_schema_extra={"missing": "set it to the target model's directory (the one with config.json)"}
+        description="The target's model directory (`config.json`, and the `*.safetensors` files for the stages "
+        "that load weights), relative to this file; required when a stage reads the target.",
+        json_schema_extra={"missing": "set it to the target model's directory (the one with config.json)"},
     )
-    dtype: Dtype = "bfloat16"
-    trust_remote_code: bool = False
+    dtype: Dtype = Field("bfloat16", description="The dtype the target is loaded in, and its hidden states'.")
+    trust_remote_code: bool = Field(False, description="Allow the model's own code (an `auto_map` in config.json).")
 
 
 class DataConfig(Table):
-    path: AbsPath = Field(json_schema_extra={"missing": "set it to the dataset (a .jsonl file or a directory)"})
-    format: DataFormat = "auto"
-    max_length: int = Field(2048, ge=16, le=1_048_576)
-    limit: int = Field(0, ge=0)  # 0: no limit
-    validation_fraction: float = Field(0.05, ge=0, lt=1)
+    """[data]: the chats prepare reads."""
+
+    path: AbsPath = Field(
+        description="A JSON or JSONL file, or a directory of them, relative to this file; required by prepare.",
+        json_schema_extra={"missing": "set it to the dataset (a .jsonl file or a directory)"},
+    )
+    format: DataFormat = Field(
+        "auto",
+        description="`sharegpt` (`conversations` of `from`/`value`), `openai` (`messages`, system turns "
+        "included) or `tokenized` (`input_ids` + `loss_mask`); `auto` tells them apart by the rows.",
+    )
+    max_length: int = Field(2048, ge=16, le=1_048_576, description="Tokens per sample after truncation.")
+    limit: int = Field(0, ge=0, description="Read at most this many rows; 0: all of them.")
+    validation_fraction: float = Field(
+        0.05, ge=0, lt=1, description="The share of rows held out for validation (and evaluate's default prompts)."
+    )
 
 
 class ExtractConfig(Table):
-    backend: Backend = "hf"
+    """[extract]: which hidden states of the target are captured, and by which engine."""
+
+    backend: Backend = Field(
+        "hf",
+        description="`hf`: transformers, data-parallel ranks; `vllm`: one vLLM engine per rank, "
+        "each over `tensor_parallel_size` GPUs.",
+    )
     # Resolved from the target's depth when the file names none (None only without a target).
-    layer_ids: Annotated[tuple[int, ...] | None, BeforeValidator(_layer_ids)] = None
-    tensor_parallel_size: int = Field(1, ge=1)
-    batch_size: int = Field(8, ge=1)
+    layer_ids: Annotated[tuple[int, ...] | None, BeforeValidator(_layer_ids)] = Field(
+        None,
+        description="Residual-stream ids to capture: id i is the input of layer i, id N the final pre-norm "
+        "output; the last id is the verifier's hidden state, the others the draft's inputs. "
+        "Unset: `[2, N//2, N-3, N]` from the target's depth N.",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM's tensor-parallel size per engine (1 with `hf`).")
+    batch_size: int = Field(8, ge=1, description="Samples per forward.")
     # The preflight stage runs a shrunken, dummy-weight copy of this extraction first
     # (workers/canary/): the same backend, worker extension, TP size and model class.
-    canary: bool = True
+    canary: bool = Field(
+        True,
+        description="Run the extraction's canary in preflight: the same engine, worker extension and model "
+        "class on a shrunken, dummy-weight copy of the target, over two batches of the run's data.",
+    )
 
 
 class ResourcesConfig(Table):
-    ranks: int = Field(1, ge=1, le=1024)
-    devices: Annotated[Literal["auto", "cpu"] | tuple[int, ...], BeforeValidator(_devices)] = "auto"
+    """[resources]: how many ranks a stage runs, on which devices, started by whom."""
+
+    ranks: int = Field(
+        1, ge=1, le=1024, description="Ranks of the distributed stages; `[stages.<name>] ranks` overrides it."
+    )
+    devices: Annotated[Literal["auto", "cpu"] | tuple[int, ...], BeforeValidator(_devices)] = Field(
+        "auto",
+        description='`"auto"`: the free GPUs NVML sees, else the CPU; `"cpu"`; or a list of GPU indices, '
+        "e.g. `[0, 1]`.",
+    )
     # Who starts the ranks: "local", the daemon on its own host; "slurm", one Slurm job per
     # attempt ([slurm], daemon/slurmgroup.py), its tasks on the nodes Slurm picks.
-    executor: Executor = "local"
+    executor: Executor = Field(
+        "local",
+        description="`local`: the daemon starts the ranks on its own host; `slurm`: each attempt is one "
+        "Slurm job (see `[slurm]`).",
+    )
 
 
 def _sbatch_args(args: tuple[str, ...]) -> tuple[str, ...]:
@@ -218,105 +260,200 @@ def _sbatch_args(args: tuple[str, ...]) -> tuple[str, ...]:
 class SlurmConfig(Table):
     """[slurm]: how a run with resources.executor = "slurm" asks Slurm for its nodes."""
 
-    partition: str | None = None  # None: the cluster's default partition
-    account: str | None = None
-    time_limit: str | None = None  # sbatch --time, e.g. "2-00:00:00"; None: the partition's
-    nodes: int | None = Field(None, ge=1, le=4096)  # None: as many as Slurm needs for the ranks
-    gpus_per_node: int | None = Field(None, ge=0, le=64)
+    partition: str | None = Field(None, description="sbatch's `--partition`; unset: the cluster's default.")
+    account: str | None = Field(None, description="sbatch's `--account`; unset: the cluster's default.")
+    time_limit: str | None = Field(
+        None, description="sbatch's `--time`, e.g. `\"2-00:00:00\"`; unset: the partition's limit."
+    )
+    nodes: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="sbatch's `--nodes`, never more than the stage's ranks (tasks spread evenly when they "
+        "divide); unset: as many as Slurm needs for the ranks.",
+    )
+    gpus_per_node: int | None = Field(
+        None, ge=0, le=64, description="sbatch's `--gpus-per-node`, asked only by the stages that use GPUs."
+    )
     # TOML arrays arrive as lists: strict=False lets them become the tuple (the items stay strict).
-    sbatch_args: Annotated[tuple[str, ...], AfterValidator(_sbatch_args)] = Field((), strict=False)
-    # Where the run's folder (its attempts' logs and records; its outputs unless output_dir
-    # says otherwise) is made: a folder every node mounts at the same path (eyas doctor checks
-    # it from a job step). None: the daemon's state directory, which must then be shared.
-    state_dir: AbsPath | None = None
+    sbatch_args: Annotated[tuple[str, ...], AfterValidator(_sbatch_args)] = Field(
+        (),
+        strict=False,
+        description='More sbatch options, e.g. `["--qos=high", "--exclusive"]`; those eyas writes itself '
+        "(`--ntasks`, `--job-name`, `--output`, ...) are refused.",
+    )
+    # eyas doctor checks from a job step that every node sees the folder.
+    state_dir: AbsPath | None = Field(
+        None,
+        description="Where the run's folder is made (its attempts' logs and records; its outputs unless "
+        "`output_dir` says otherwise): a folder every node mounts at the same path. Unset: the daemon's "
+        "state directory, which must then be shared.",
+    )
 
 
 class DraftConfig(Table):
-    vocab_size: int = Field(32000, ge=1)
-    num_layers: int = Field(1, ge=1, le=8)
-    ttt_steps: int = Field(3, ge=1, le=16)
+    """[draft]: the shape of the EAGLE-3 draft."""
+
+    vocab_size: int = Field(
+        32000,
+        ge=1,
+        description="Draft vocabulary: the most frequent trainable tokens, at most the target's vocabulary.",
+    )
+    num_layers: int = Field(1, ge=1, le=8, description="Draft decoder layers.")
+    ttt_steps: int = Field(3, ge=1, le=16, description="Test-time-training steps unrolled in each training step.")
 
 
 class TrainConfig(Table):
-    epochs: int = Field(3, ge=1)
-    lr: float = Field(1e-4, gt=0, lt=1)
-    batch_tokens: int = Field(8192, ge=16)
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
-    noise_std: float = Field(0.0, ge=0)
-    seed: int = Field(0, ge=0, le=2**32 - 1)  # numpy's seed range
-    strategy: Strategy = "ddp"
+    """[train]: the training schedule; `eyas init` sizes epochs, lr, batch_tokens and warmup_steps to the data."""
+
+    epochs: int = Field(3, ge=1, description="Passes over the training rows.")
+    lr: float = Field(1e-4, gt=0, lt=1, description="AdamW's peak learning rate, reached after the warmup.")
+    batch_tokens: int = Field(
+        8192, ge=16, description="Tokens packed per rank and optimizer step; a longer sample is cut to it."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of warmup before the decay.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="The gradients' largest norm; larger ones are clipped to it.")
+    noise_std: float = Field(0.0, ge=0, description="Standard deviation of noise added to the hidden states; 0: none.")
+    seed: int = Field(
+        0,
+        ge=0,
+        le=2**32 - 1,  # numpy's seed range
+        description="Seeds the draft's initial weights, the batches' shuffle and the noise: the same on every "
+        "rank and every retry.",
+    )
+    strategy: Strategy = Field("ddp", description="How the ranks share training: `ddp` or `fsdp`.")
 
 
 class EvaluateConfig(Table):
     """[evaluate]: the draft's acceptance in vLLM (workers/stages/evaluate.py)."""
 
-    num_speculative_tokens: int = Field(3, ge=1, le=16)  # k: draft tokens proposed per target forward
+    num_speculative_tokens: int = Field(3, ge=1, le=16, description="k: the draft tokens proposed per target forward.")
     # How many prompts and answer tokens: enough to tell two drafts apart. The acceptance
     # length's 95 % interval narrows as 1/sqrt(prompts): measured with the demo's draft on its
     # chats' turns at 128 tokens, +-0.16 on 128 prompts, +-0.12 on 256, +-0.09 on 512. More
     # tokens per prompt barely narrow it (256 prompts: +-0.128 at 64 tokens, +-0.124 at 128): the
     # spread is between prompts, not within one. 256 prompts x 128 tokens: drafts 0.2 apart
     # tell apart, in a few minutes of GPU time per engine.
-    max_tokens: int = Field(128, ge=1, le=65536)  # greedy tokens generated per prompt
-    max_prompts: int = Field(256, ge=0)  # the first N prompts; 0: all of them
-    prompts: AbsPath | None = None  # a JSONL prompt file; None: prepare's validation split
-    batch_size: int = Field(16, ge=1, le=4096)  # sequences vLLM runs at once (max_num_seqs)
+    max_tokens: int = Field(128, ge=1, le=65536, description="Greedy tokens generated per prompt.")
+    max_prompts: int = Field(256, ge=0, description="Evaluate on the first N prompts; 0: all of them.")
+    prompts: AbsPath | None = Field(
+        None,
+        description='A JSONL file of prompts (`{"prompt": ...}`, `{"prompt_token_ids": [...]}` or chats), '
+        "relative to this file; unset: prepare's validation rows, one prompt per assistant turn.",
+    )
+    batch_size: int = Field(16, ge=1, le=4096, description="Sequences vLLM runs at once (`max_num_seqs`).")
     # None only before validation: it then defaults to extract.tensor_parallel_size.
-    tensor_parallel_size: int | None = Field(None, ge=1)
-    # The quality gate: the stage fails (after recording its figures) when the trained draft's
-    # acceptance length gains less than this over the untrained draft's, on the same prompts;
-    # 0 turns it off. The demo gains 0.37 (95 % interval 0.25 to 0.61); a draft that adds a
-    # tenth of a token per target forward or less learned nothing worth serving.
-    min_gain: float = Field(0.1, ge=0)
+    tensor_parallel_size: int | None = Field(
+        None, ge=1, description="vLLM's tensor-parallel size for the three engines; unset: extract's."
+    )
+    # 0.1: the demo gains 0.37 (95 % interval 0.25 to 0.61); a draft that adds a tenth of a token
+    # per target forward or less learned nothing worth serving.
+    min_gain: float = Field(
+        0.1,
+        ge=0,
+        description="The quality gate: the least gain in acceptance length over the untrained draft, on the "
+        "same prompts; a draft below it fails the stage (its figures recorded first, never restarted). 0: off.",
+    )
 
 
 class StorageConfig(Table):
     """[storage]: how extract's hidden states reach train (workers/extract/stream.py)."""
 
-    # "streaming": extract and train run at once, train reading shards as they land.
-    mode: StorageMode = "offline"
-    # The window's bound in GB (1e9 bytes); None: budget_fraction of the free space when extract starts.
-    budget_gb: float | None = Field(None, gt=0)
-    budget_fraction: float = Field(0.5, gt=0, le=1)
-    # How extract stores the hidden states (workers/extract/hsformat.py): "target", in the target's
-    # dtype, speculators' own format; "fp8", float8 e4m3 with a power-of-two scale per token and
-    # layer: about half the bytes, read by eyas's trainer and speculators' fp8 backend only.
-    hidden_dtype: HiddenDtype = "target"
+    mode: StorageMode = Field(
+        "offline",
+        description="`offline`: extract writes every hidden state, then train reads them; `streaming`: "
+        "extract and train run at once, train reading shards as they land, inside a disk budget.",
+    )
+    budget_gb: float | None = Field(
+        None,
+        gt=0,
+        description="Streaming's bound on the hidden states' disk in GB (1e9 bytes); unset: `budget_fraction`.",
+    )
+    budget_fraction: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="With `budget_gb` unset: this fraction of the free space when extract first starts.",
+    )
+    # workers/extract/hsformat.py writes and reads both layouts.
+    hidden_dtype: HiddenDtype = Field(
+        "target",
+        description="`target`: the target's dtype, speculators' own format; `fp8`: float8 e4m3 with a "
+        "power-of-two scale per token and layer, about half the bytes, read by eyas's trainer and "
+        "speculators' fp8 backend only.",
+    )
 
 
 class StageConfig(Table):
-    max_restarts: int | None = Field(None, ge=0, le=100)  # None: the stage spec's default
-    backoff: float = Field(DEFAULT_BACKOFF, ge=0)  # seconds before the first restart, doubled each time
-    # The hang bounds (daemon/watchdog.py), in seconds; 0 turns one off, None takes the stage
-    # spec's default. stall_timeout: nothing written for this long; exit_timeout: a rank still
-    # alive this long after its own work or its peers ended.
-    stall_timeout: float | None = Field(None, ge=0)
-    exit_timeout: float | None = Field(None, ge=0)
-    # Seconds a long silent phase of this kind may take at most (daemon/phases.py), over the
-    # budget the rank derives from its work (weight bytes at a floor read rate, and so on);
-    # 0: no budget. Keys: state/contract.py's PHASE_KINDS.
-    phase_budgets: dict[PhaseKind, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
-    # Each rank log's bound in MiB (state/logcut.py): past it the middle is cut; 0: unbounded.
-    log_max_mb: float = Field(LOG_MAX_MB, ge=0)
-    ranks: int | None = Field(None, ge=1)  # None: resources.ranks
+    """[stages.<name>]: one stage's supervision (restarts, hang bounds, log bound), ranks and options."""
+
+    max_restarts: int | None = Field(
+        None, ge=0, le=100, description="Automatic new attempts after a failure; unset: the stage's default, 0."
+    )
+    backoff: float = Field(DEFAULT_BACKOFF, ge=0, description="Seconds before the first restart, doubled each time.")
+    # The hang bounds (daemon/watchdog.py); None takes the stage spec's default.
+    stall_timeout: float | None = Field(
+        None,
+        ge=0,
+        description="Seconds with no sign of life (a log line, a progress record, a long phase's evidence "
+        "moving), or with a process under a rank stopped or in disk wait, before the attempt fails as "
+        "`Stalled`; unset: 600 (selftest: 20); 0: off.",
+    )
+    exit_timeout: float | None = Field(
+        None,
+        ge=0,
+        description="Seconds a rank may stay alive after its stage function returned, or after every other "
+        "rank exited 0, before the attempt fails as `Straggler`; unset: 60; 0: off.",
+    )
+    # daemon/phases.py; the keys are state/contract.py's PHASE_KINDS.
+    phase_budgets: dict[PhaseKind, Annotated[float, Field(ge=0)]] = Field(
+        default_factory=dict,
+        description="The most seconds a long silent phase of a kind may take, over the budget the rank "
+        "derives from its work (weight bytes at 50 MB/s plus 10 minutes; an engine start adds 20); past it "
+        "the attempt fails as `Stalled`. 0: no budget.",
+    )
+    # state/logcut.py cuts the log; the daemon hands each rank its bound as EYAS_LOG_MAX_MB.
+    log_max_mb: float = Field(
+        LOG_MAX_MB,
+        ge=0,
+        description="Each rank log's bound in MiB (vLLM's split `tp-<k>.log` and `driver.log` too): past it "
+        "the log keeps its first 10 %, one marker line and the output since. 0: unbounded.",
+    )
+    ranks: int | None = Field(
+        None, ge=1, description="This stage's world size; unset: `resources.ranks`. Distributed stages only."
+    )
     # As written: validate() checks them against the stage's options model (STAGES[name].options).
-    options: Annotated[dict[str, Any], AfterValidator(_json_safe)] = Field(default_factory=dict)
+    options: Annotated[dict[str, Any], AfterValidator(_json_safe)] = Field(
+        default_factory=dict,
+        description="The stage's own options (extract, regenerate, train, evaluate, selftest; the others take "
+        "none), checked with the rest of the file: see the stage options below.",
+    )
 
 
 class _Head(Table):
     """The run's top-level keys, checked before its tables."""
 
     name: Annotated[str, AfterValidator(_name)] = Field(
-        json_schema_extra={"missing": 'add name = "my-run" at the top of the file'}
+        description="The run's name: at most 80 letters, digits, `.`, `_` and `-`.",
+        json_schema_extra={"missing": 'add name = "my-run" at the top of the file'},
     )
-    # None: the daemon picks <state>/runs/<id>/out. Checked against the disk only when a file is.
-    output_dir: Annotated[AbsPath, AfterValidator(_not_a_file)] | None = None
-    pipeline: Annotated[tuple[str, ...], BeforeValidator(_pipeline)] = DEFAULT_PIPELINE
+    # Checked against the disk only when a file is.
+    output_dir: Annotated[AbsPath, AfterValidator(_not_a_file)] | None = Field(
+        None,
+        description="Where the stages write their outputs, relative to this file; unset: the daemon picks "
+        "`<state>/runs/<id>/out`.",
+    )
+    pipeline: Annotated[tuple[str, ...], BeforeValidator(_pipeline)] = Field(
+        DEFAULT_PIPELINE,
+        description="The stages to run, in order; `preflight` is put first when a stage reads the target "
+        "(unless `preflight = false`), and `regenerate` may follow `prepare`.",
+    )
 
 
 class RunConfig(_Head):
+    """A run: its top-level keys and one table per section; the sections' fields describe themselves."""
+
     target: TargetConfig | None = None
     data: DataConfig | None = None
     extract: ExtractConfig = Field(default_factory=ExtractConfig)

@@ -95,22 +95,38 @@ class ExtractOptions(Table):
             ),
         ]
         | None
-    ) = None
-    # Another vLLM worker extension, a subclass of eyas's; imported (and checked) when the stage starts.
-    worker_extension: Annotated[str, AfterValidator(_class_name)] | None = None
+    ) = Field(
+        None,
+        description='More vLLM engine arguments for `backend = "vllm"`, e.g. `{ gpu_memory_utilization = 0.8 }` '
+        'or `{ load_format = "dummy" }` (random weights, for rehearsals); not those eyas sets itself.',
+    )
+    # Imported (and checked) when the stage starts, not at submit: the daemon loads no vLLM.
+    worker_extension: Annotated[str, AfterValidator(_class_name)] | None = Field(
+        None,
+        description='Another vLLM worker extension, `"package.module.Class"`, a subclass of eyas\'s.',
+    )
 
 
 class TrainOptions(Table):
     """[stages.train] options (workers/stages/train.py); None: a default that depends on the device."""
 
-    scheduler: Literal["linear", "cosine", "constant"] = "linear"  # speculators' default
-    save_every: int = Field(0, ge=0)  # a mid-epoch checkpoint every N steps; 0: epoch ends only
-    log_every: int = Field(1, ge=1)
-    num_workers: int | None = Field(None, ge=0)  # 0 on CPU, 2 on CUDA
-    loss: str = "kl_div"  # speculators' loss name, or JSON weights
-    loss_implementation: Literal["eager", "fused"] | None = None  # fused on CUDA with triton, else eager
-    attention: Literal["sdpa", "eager", "simple_flex_attention"] | None = None  # flex on CUDA, else sdpa
-    ttt_step_loss_decay: float = 1.0
+    scheduler: Literal["linear", "cosine", "constant"] = Field(
+        "linear", description="The learning rate's decay after the warmup (linear: speculators' default)."
+    )
+    save_every: int = Field(0, ge=0, description="A mid-epoch checkpoint every N steps; 0: at epoch ends only.")
+    log_every: int = Field(1, ge=1, description="Record the training figures every N steps.")
+    num_workers: int | None = Field(None, ge=0, description="Data-loader worker processes; unset: 0 on CPU, 2 on CUDA.")
+    loss: str = Field("kl_div", description="speculators' loss name, or its per-loss weights as JSON.")
+    loss_implementation: Literal["eager", "fused"] | None = Field(
+        None, description="The loss kernel; unset: `fused` on CUDA with triton, else `eager`."
+    )
+    attention: Literal["sdpa", "eager", "simple_flex_attention"] | None = Field(
+        None, description="The draft's attention; unset: flex attention on CUDA, else `sdpa`."
+    )
+    ttt_step_loss_decay: float = Field(
+        1.0,
+        description="The loss weight's decay per test-time-training step, as a factor (1: every step weighs the same).",
+    )
 
 
 class EvaluateOptions(Table):
@@ -123,7 +139,11 @@ class EvaluateOptions(Table):
             "tensor_parallel_size: evaluate.tensor_parallel_size; dtype: target.dtype; "
             "speculative_config: evaluate.num_speculative_tokens",
         ),
-    ] = Field(default_factory=dict)
+    ] = Field(
+        default_factory=dict,
+        description="More vLLM engine arguments for the three engines, e.g. `{ gpu_memory_utilization = 0.8 }`; "
+        "not those eyas sets itself.",
+    )
 
 
 class RegenerateOptions(Table):
@@ -134,7 +154,13 @@ class RegenerateOptions(Table):
         _engine_args(
             REGENERATE_ENGINE_ARGS, "tensor_parallel_size: regenerate.tensor_parallel_size; dtype: target.dtype"
         ),
-    ] = Field(default_factory=dict)
+    ] = Field(
+        default_factory=dict,
+        description="More vLLM engine arguments: `max_model_len` (default `data.max_length`, within the "
+        "target's `max_position_embeddings`); `enforce_eager` (on by default on the CPU build only); "
+        "`enable_prefix_caching` (off by default: a batch's answers would depend on the batches before it, "
+        "and a resumed run would no longer be byte-identical).",
+    )
 
 
 # "tp-worker": the rank stands for a vLLM driver whose TP worker 1 raises (workers/stages/selftest.py).
@@ -147,27 +173,43 @@ GLOO_TEARDOWNS: tuple[str, ...] = get_args(GlooTeardown)
 class SelftestOptions(Table):
     """[stages.selftest] options (workers/stages/selftest.py says what each does)."""
 
-    steps: int = Field(10, ge=0)
-    step_time: float = Field(0.05, ge=0)
-    lines_per_sec: int = Field(0, ge=0)  # 0: one log line per step
-    duration: float | None = Field(None, ge=0)  # with lines_per_sec: flood for this long (sets steps)
-    tokens_per_step: int = 100
-    fail: FailMode | None = None
-    fail_rank: int = Field(0, ge=-1)  # -1: every rank
-    fail_at_step: int = Field(0, ge=0)  # fail before doing this step (0-based)
+    steps: int = Field(10, ge=0, description="Steps to run; an attempt resumes after the steps done before it.")
+    step_time: float = Field(0.05, ge=0, description="Seconds each step sleeps.")
+    lines_per_sec: int = Field(0, ge=0, description="Log lines a second to write; 0: one line per step.")
+    duration: float | None = Field(
+        None, ge=0, description="With `lines_per_sec`: flood the log for this many seconds (sets the steps)."
+    )
+    tokens_per_step: int = Field(100, description="Tokens each step reports as done (for tok/s).")
+    fail: FailMode | None = Field(None, description="How the failing rank fails; unset: no rank fails.")
+    fail_rank: int = Field(0, ge=-1, description="The rank that fails (or hangs at the end); -1: every rank.")
+    fail_at_step: int = Field(0, ge=0, description="Fail before doing this step (0-based).")
     # TOML arrays arrive as lists: strict=False lets them become the tuple (the items stay strict).
-    fail_attempts: tuple[int, ...] | None = Field(None, strict=False)  # None: on every attempt
-    summary_on_fail: bool = False  # rank 0 writes summary.json before it fails (as evaluate does)
-    heartbeat_for: float = Field(0.0, ge=0)  # first, this many seconds of silence but for heartbeats
-    # What shows that phase working (workers/stages/selftest.py): "ticks", a counter in its
-    # heartbeats; "child", a child process burning CPU (an engine's stand-in, to be stopped);
-    # "none", nothing (a hung phase whose heartbeat thread still runs).
-    heartbeat_evidence: Literal["ticks", "child", "none"] = "ticks"
-    phase_budget: float | None = Field(None, gt=0)  # that phase's budget in seconds; None: none
-    hang_at_end: bool = False  # after its steps, rank fail_rank (-1: all) blocks for ever, writing nothing
-    linger_thread: bool = False  # after its work, leave a non-daemon thread that never ends
-    ignore_sigterm: bool = False  # a rank that only SIGKILL ends (teardown waits out its grace)
-    gloo_teardown: GlooTeardown | None = None  # a gloo group and a DDP model, torn down the old way or eyas's
+    fail_attempts: tuple[int, ...] | None = Field(
+        None, strict=False, description="The attempt numbers that fail; unset: every attempt."
+    )
+    summary_on_fail: bool = Field(False, description="Rank 0 writes summary.json before it fails, as evaluate does.")
+    heartbeat_for: float = Field(
+        0.0, ge=0, description="First, this many seconds of a silent phase that shows only heartbeats."
+    )
+    heartbeat_evidence: Literal["ticks", "child", "none"] = Field(
+        "ticks",
+        description="What shows that phase working: `ticks`, a counter in its heartbeats; `child`, a child "
+        "process burning CPU (an engine's stand-in, to be stopped); `none`, nothing (a hung phase whose "
+        "heartbeat thread still runs).",
+    )
+    phase_budget: float | None = Field(None, gt=0, description="That phase's budget in seconds; unset: none.")
+    hang_at_end: bool = Field(
+        False, description="After its steps, rank `fail_rank` (-1: all) blocks for ever, writing nothing."
+    )
+    linger_thread: bool = Field(False, description="After its work, leave a non-daemon thread that never ends.")
+    ignore_sigterm: bool = Field(
+        False, description="Ignore SIGTERM: only SIGKILL ends the rank (the teardown waits out its grace)."
+    )
+    gloo_teardown: GlooTeardown | None = Field(
+        None,
+        description="Build a gloo group and a DDP model, then tear them down the old way (`naive`, which can "
+        "deadlock) or eyas's (`safe`).",
+    )
 
     @model_validator(mode="after")
     def _flood_needs_rate_and_time(self) -> SelftestOptions:
@@ -188,7 +230,7 @@ class StageSpec:
     needs_target: bool = True  # the stage reads the target model
     needs_data: bool = False  # the stage reads the dataset
     gpus: bool = True  # False: runs on CPU (tokenizing, counting, checks) and holds no GPU
-    # The hang bounds' defaults (README, "How it works → Hangs"); a run overrides them in
+    # The hang bounds' defaults (docs/supervision.md, "Hangs"); a run overrides them in
     # [stages.<name>], where 0 turns one off. Every legitimately silent phase of a real stage
     # (weight load, engine start-up, checkpoint save) shows evidence of its work (daemon/
     # phases.py), so ten minutes without any mean a hang, not a slow step.

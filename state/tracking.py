@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, ValidationInfo
+from pydantic import BeforeValidator, Field, ValidationInfo
 
 from eyas.state.specs import Table
 from eyas.state.tomlcheck import describe
@@ -47,9 +47,12 @@ def _tensorboard(value: Any, info: ValidationInfo) -> bool | str:
 class TrackingConfig(Table):
     """[tracking]: the trackers a run's samples are written to while it runs."""
 
-    # TensorBoard event files: true for <output_dir>/tensorboard, a folder for one of your own;
-    # each run writes into its own run-<id>-<name> folder there (state/tbevents.py).
-    tensorboard: Annotated[bool | str, BeforeValidator(_tensorboard)] = False
+    # Each run writes into its own run-<id>-<name> folder there (state/tbevents.py).
+    tensorboard: Annotated[bool | str, BeforeValidator(_tensorboard)] = Field(
+        False,
+        description="TensorBoard event files of the run's samples, written while it runs: `true` under "
+        "`<output_dir>/tensorboard/`, or a folder (relative to this file), each run in `run-<id>-<name>/`.",
+    )
 
 
 def tensorboard_dir(config: dict, output_dir: str | os.PathLike) -> Path | None:
