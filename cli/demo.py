@@ -45,9 +45,30 @@ GPU_LINES = {
 FIT_STEPS = 300
 
 
-def demo_home() -> Path:
-    """$EYAS_HOME when set, else a private `.eyas-demo` directory here."""
-    return Path(os.environ["EYAS_HOME"]) if os.environ.get("EYAS_HOME") else Path.cwd() / ".eyas-demo"
+# What the demo builds: the DeepSeek-shaped target and the chats (the tests' tiny-llama is not used).
+ASSETS = ("tiny-deepseek", "chat.jsonl")
+
+
+def demo_home(chosen: str | None = None) -> Path:
+    """The demo's own state directory: `eyas --home DIR demo`'s DIR, else `.eyas-demo` here.
+
+    $EYAS_HOME is not used: it names the user's real state directory, which a demo's tiny
+    target, chats and runs would clutter."""
+    return Path(chosen).absolute() if chosen else Path.cwd() / ".eyas-demo"
+
+
+def eyas_command() -> str:
+    """How the user's shell runs this eyas: `eyas` when that name on PATH is this install,
+    else its full path (a fresh shell after `make demo` has no .venv/bin on PATH)."""
+    import shutil
+
+    mine = Path(sys.executable).parent / "eyas"  # the console script beside this interpreter
+    if not mine.exists():
+        return f"{sys.executable} -m eyas.cli.main"
+    found = shutil.which("eyas")
+    if found and Path(found).resolve() == mine.resolve():
+        return "eyas"
+    return str(mine.absolute())
 
 
 def gpu_count() -> int:
@@ -95,14 +116,14 @@ def _ensure_daemon() -> bool:
 
 
 def command(args) -> int:
-    home = demo_home()
+    home = demo_home(getattr(args, "home", None))
     os.environ["EYAS_HOME"] = str(home)
     # Everything the demo makes is its private state directory's (its config, the tiny target,
     # the chats, the daemon it starts and that daemon's runs): owner-only, as eyas's state is.
     os.umask(privacy.OWNER_ONLY)
     home.mkdir(mode=0o700, parents=True, exist_ok=True)
     console = output.console()
-    console.print(f"[bold]eyas demo[/bold]: state in {home}")
+    console.print(f"[bold]eyas demo[/bold]: state in {home} (the demo's own; `eyas --home DIR demo` picks another)")
     t0 = time.monotonic()
     started = _ensure_daemon()
     try:
@@ -123,21 +144,38 @@ def command(args) -> int:
 
 
 def build_assets(target_dir: Path, console) -> bool:
-    """Build the tiny target and the chats in a child process (it imports torch, we do not)."""
-    what = f"building the tiny target and chat data in {target_dir} …"
-    if not console.is_terminal:
-        # A spinner draws nothing in a pipe: one plain line says what the next minute is.
-        console.print(what, highlight=False, soft_wrap=True)
-    with console.status(what):
-        proc = subprocess.run(
-            [sys.executable, "-m", "eyas.workers.models.assets", str(target_dir), "--fit-steps", str(FIT_STEPS)],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-        )
-    if proc.returncode != 0:
-        console.print(f"[red]building the demo assets failed (exit {proc.returncode}):[/red]")
-        console.print(proc.stderr[-3000:], markup=False, highlight=False)
+    """Build the tiny target and the chats in a child process (it imports torch, we do not),
+    showing each step of the build as it reports it (assets.PROGRESS lines on its stderr)."""
+    from eyas.workers.models.assets import PROGRESS
+
+    what = f"building the demo's tiny target and chats in {target_dir}"
+    console.print(f"{what} (about a minute, once) …", highlight=False, soft_wrap=True)
+    cmd = [sys.executable, "-m", "eyas.workers.models.assets", str(target_dir), "--fit-steps", str(FIT_STEPS)]
+    proc = subprocess.Popen(
+        [*cmd, "--only", *ASSETS], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    other: list[str] = []  # the child's own stderr (warnings, a traceback), shown if it fails
+    try:
+        with console.status(what) as status:
+            for line in proc.stderr:
+                if line.startswith(PROGRESS):
+                    step = line[len(PROGRESS) :].strip()
+                    status.update(f"{what}: {step}")
+                    if not console.is_terminal and not step.startswith("fitting the output head: step"):
+                        # A spinner draws nothing in a pipe: one plain line per asset, not per step.
+                        console.print(f"  {step}", highlight=False, soft_wrap=True)
+                else:
+                    other.append(line)
+            proc.stdout.read()
+            code = proc.wait()
+    except BaseException:
+        # Ctrl-C (or any error) here: the build must not outlive the demo.
+        proc.kill()
+        proc.wait()
+        raise
+    if code != 0:
+        console.print(f"[red]building the demo assets failed (exit {code}):[/red]")
+        console.print("".join(other)[-3000:], markup=False, highlight=False)
         return False
     console.print(f"assets ready in {target_dir}")
     return True
@@ -170,11 +208,15 @@ def _run_demo(home: Path, console) -> int:
                 console.print(exc.message)
         _wait_ended(run_id)
         return 130
-    console.print(f"\nopen it in the TUI:  [bold]eyas --home {home} tui {run_id}[/bold]")
+    eyas = f"{eyas_command()} --home {home}"
+    console.print(f"\nopen it in the TUI:  [bold]{eyas} tui {run_id}[/bold]", soft_wrap=True)
     console.print(
-        f"or:                  [bold]eyas --home {home} show {run_id}[/bold]   ·   "
-        f"[bold]eyas --home {home} logs {run_id} --stage train[/bold]"
+        f"or:                  [bold]{eyas} show {run_id}[/bold]   ·   [bold]{eyas} logs {run_id} --stage train[/bold]",
+        soft_wrap=True,
     )
+    if not eyas.startswith("eyas "):
+        bin_dir = Path(sys.executable).parent.absolute()
+        console.print(f'to type just `eyas`:  [bold]export PATH="{bin_dir}:$PATH"[/bold]', soft_wrap=True)
     return code
 
 

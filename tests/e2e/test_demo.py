@@ -54,7 +54,9 @@ def test_demo_runs_the_whole_pipeline_and_leaves_nothing_behind():
     home = short_tmp()
     t0 = time.monotonic()
     try:
-        out = subprocess.run([EYAS, "demo"], env=_env(home), capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [EYAS, "--home", str(home), "demo"], env=_env(home), capture_output=True, text=True, timeout=300
+        )
     except subprocess.TimeoutExpired as exc:
         # The timeout SIGKILLs the demo CLI, not the daemon it started: stop that too, so a
         # slow run does not go on loading the machine under the rest of the suite.
@@ -70,6 +72,18 @@ def test_demo_runs_the_whole_pipeline_and_leaves_nothing_behind():
     text = out.stdout
     assert "run 1 demo: succeeded" in text
     assert f"eyas --home {home} tui 1" in text and "eyas daemon stopped" in text
+    # It built only what it uses (no tiny-llama), and said so step by step in the pipe.
+    assert sorted(p.name for p in (home / "assets").iterdir() if not p.name.startswith(".")) == [
+        "chat.jsonl",
+        "tiny-deepseek",
+    ]
+    assert "  tiny-deepseek: random weights and tokenizer" in text
+    # The printed `show` command runs as printed from a fresh shell with the user's PATH (which
+    # `make demo` does not extend: .venv/bin is on it only if the user put it there).
+    show = next(line for line in text.splitlines() if line.startswith("or:")).split("   ·   ")[0][3:].strip()
+    fresh = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root")}
+    shown = subprocess.run(["bash", "-c", show], env=fresh, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and "demo" in shown.stdout and "succeeded" in shown.stdout, (show, shown)
     run = _run(home)
     # Validation puts eyas doctor's preflight checks first (state/runconfig.py).
     assert run["state"] == "succeeded" and [s["name"] for s in run["stages"]] in (STAGES, ["preflight", *STAGES])
@@ -119,7 +133,9 @@ def _ranks_running(home: Path, n: int = 2) -> bool:
 
 def test_ctrl_c_stops_the_demo_run_cleanly():
     home = short_tmp()
-    proc = subprocess.Popen([EYAS, "demo"], env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [EYAS, "--home", str(home), "demo"], env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         # extract is the first stage with 2 ranks.
         wait_for(lambda: paths.db_path(home).exists() and _ranks_running(home), 300, what="the demo's ranks")
@@ -160,7 +176,9 @@ def _nothing_left(home: Path) -> None:
 
 def test_ctrl_c_while_the_assets_are_built_leaves_nothing_behind():
     home = short_tmp()
-    proc = subprocess.Popen([EYAS, "demo"], env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [EYAS, "--home", str(home), "demo"], env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
     def building() -> bool:
         for p in psutil.process_iter(["cmdline"]):

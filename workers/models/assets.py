@@ -252,11 +252,13 @@ def fit_to_chats(model_dir: Path, steps: int, seed: int = 0, lr: float = 0.05) -
     torch.manual_seed(seed)
     optimizer = torch.optim.Adam(head.parameters(), lr=lr)
     loss = torch.tensor(float("nan"))
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         loss = torch.nn.functional.cross_entropy(head(x), y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        if step % 50 == 0 or step == steps:
+            _progress(f"fitting the output head: step {step}/{steps}, loss {float(loss):.3f}")
     with torch.no_grad():
         # Scaling a row-normalised head changes no greedy choice, only how sharp the target's
         # distribution is: the fit leaves rows ~40x the initial norm (logits near 50), a target
@@ -285,8 +287,22 @@ def _vllm_routing(model_dir: Path) -> None:
 MARKER = "eyas-asset.json"
 
 
-def build_all(root: Path, seed: int = 0, fit_steps: int = 0) -> dict[str, Path]:
-    """Everything the demo and the end-to-end tests need, under `root`; idempotent.
+# A line of the build's progress on stderr: the demo shows it while the build runs.
+PROGRESS = "eyas-asset-progress: "
+ASSETS = ("tiny-deepseek", "tiny-llama", "chat.jsonl")
+
+
+def _progress(text: str) -> None:
+    import sys
+
+    print(PROGRESS + text, file=sys.stderr, flush=True)
+
+
+def build_all(
+    root: Path, seed: int = 0, fit_steps: int = 0, only: tuple[str, ...] | list[str] = ASSETS
+) -> dict[str, Path]:
+    """Everything the demo and the end-to-end tests need, under `root` (`only` those named);
+    idempotent.
 
     `fit_steps` > 0 trains the tiny DeepSeek target on the chats first (fit_to_chats). Each model
     is built in a scratch directory and renamed into place whole, with a marker of how it was
@@ -301,12 +317,13 @@ def build_all(root: Path, seed: int = 0, fit_steps: int = 0) -> dict[str, Path]:
             shutil.rmtree(scratch, ignore_errors=True)
         else:
             scratch.unlink()
-    out = {
-        "tiny-deepseek": root / "tiny-deepseek",
-        "tiny-llama": root / "tiny-llama",
-        "chat.jsonl": root / "chat.jsonl",
-    }
+    unknown = sorted(set(only) - set(ASSETS))
+    if unknown:
+        raise ValueError(f"unknown assets {unknown}: choose from {list(ASSETS)}")
+    out = {name: root / name for name in ASSETS if name in only}
     for name, family in (("tiny-deepseek", "deepseek_v3"), ("tiny-llama", "llama")):
+        if name not in out:
+            continue
         fit = fit_steps if family == "deepseek_v3" else 0
         how = {"family": family, "seed": seed, "fit_steps": fit, "head_norm": HEAD_NORM if fit else None}
         marker = out[name] / MARKER
@@ -315,13 +332,16 @@ def build_all(root: Path, seed: int = 0, fit_steps: int = 0) -> dict[str, Path]:
             continue
         scratch = root / f".{name}.partial"
         shutil.rmtree(scratch, ignore_errors=True)
+        _progress(f"{name}: random weights and tokenizer")
         build_model(scratch, family, seed)
         if how["fit_steps"]:
+            _progress(f"{name}: fitting its output head to the chats ({how['fit_steps']} steps)")
             how["final_loss"] = round(fit_to_chats(scratch, how["fit_steps"], seed), 4)
         (scratch / MARKER).write_text(json.dumps(how))
         shutil.rmtree(out[name], ignore_errors=True)
         scratch.rename(out[name])
-    if not out["chat.jsonl"].exists():
+    if "chat.jsonl" in out and not out["chat.jsonl"].exists():
+        _progress("chat.jsonl: synthetic chats")
         write_dataset(root / ".chat.jsonl.partial", seed=seed).rename(out["chat.jsonl"])
     return out
 
@@ -345,11 +365,14 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="train the tiny DeepSeek target on the chats for this many steps (the demo's)",
     )
+    parser.add_argument(
+        "--only", nargs="+", choices=ASSETS, default=list(ASSETS), help="build these assets only (default: all)"
+    )
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    made = build_all(args.dir.absolute(), seed=args.seed, fit_steps=args.fit_steps)
+    made = build_all(args.dir.absolute(), seed=args.seed, fit_steps=args.fit_steps, only=args.only)
     print(json.dumps({k: str(v) for k, v in made.items()}))
     sys.stdout.flush()
     return 0
