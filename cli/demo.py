@@ -28,7 +28,7 @@ from pathlib import Path
 
 import eyas.workers
 from eyas.cli import output
-from eyas.state import paths, privacy
+from eyas.state import contract, paths, privacy
 from eyas.state import runconfig as run_config
 from eyas.wire.client import Client, DaemonError, DaemonNotRunning
 
@@ -145,9 +145,7 @@ def command(args) -> int:
 
 def build_assets(target_dir: Path, console) -> bool:
     """Build the tiny target and the chats in a child process (it imports torch, we do not),
-    showing each step of the build as it reports it (assets.PROGRESS lines on its stderr)."""
-    from eyas.workers.models.assets import PROGRESS
-
+    showing each step of the build as it reports it (contract.ASSET_PROGRESS lines on its stderr)."""
     what = f"building the demo's tiny target and chats in {target_dir}"
     console.print(f"{what} (about a minute, once) …", highlight=False, soft_wrap=True)
     cmd = [sys.executable, "-m", "eyas.workers.models.assets", str(target_dir), "--fit-steps", str(FIT_STEPS)]
@@ -158,8 +156,8 @@ def build_assets(target_dir: Path, console) -> bool:
     try:
         with console.status(what) as status:
             for line in proc.stderr:
-                if line.startswith(PROGRESS):
-                    step = line[len(PROGRESS) :].strip()
+                if line.startswith(contract.ASSET_PROGRESS):
+                    step = line[len(contract.ASSET_PROGRESS) :].strip()
                     status.update(f"{what}: {step}")
                     if not console.is_terminal and not step.startswith("fitting the output head: step"):
                         # A spinner draws nothing in a pipe: one plain line per asset, not per step.

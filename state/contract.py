@@ -156,3 +156,8 @@ class ErrorRecord:
         out["time_"] = out.pop("time")
         del out["final"]  # decides the restart only; not a column
         return out
+
+
+# A line of the demo assets' build progress on its stderr (workers/models/assets.py), which
+# `eyas demo` shows while the build runs in its child process.
+ASSET_PROGRESS = "eyas-asset-progress: "

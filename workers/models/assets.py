@@ -19,6 +19,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from eyas.state import contract
+
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<think>", "</think>"]
 
 # Assistant content sits inside {% generation %} so that transformers can return the
@@ -287,15 +289,13 @@ def _vllm_routing(model_dir: Path) -> None:
 MARKER = "eyas-asset.json"
 
 
-# A line of the build's progress on stderr: the demo shows it while the build runs.
-PROGRESS = "eyas-asset-progress: "
 ASSETS = ("tiny-deepseek", "tiny-llama", "chat.jsonl")
 
 
 def _progress(text: str) -> None:
     import sys
 
-    print(PROGRESS + text, file=sys.stderr, flush=True)
+    print(contract.ASSET_PROGRESS + text, file=sys.stderr, flush=True)
 
 
 def build_all(
