@@ -10,7 +10,6 @@ timestamps, so that a resumed run's output is byte-identical to an uninterrupted
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,23 +72,13 @@ def claim_output(out_dir: Path, identity: dict) -> None:
     (an exclusive link: exactly one writer wins); any later rank or attempt must match.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / IDENTITY
-    if not path.exists():
-        tmp = out_dir / f".{IDENTITY}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(identity, indent=1, sort_keys=True) + "\n")
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass  # another rank won; compare with what it wrote
-        finally:
-            tmp.unlink()
-    recorded = json.loads(path.read_text())
-    for key in sorted(set(recorded) | set(identity)):
-        if recorded.get(key) != identity.get(key):
-            raise RuntimeError(
-                f"{out_dir} holds the output of another extraction ({key}: {recorded.get(key)!r} there, "
-                f"{identity.get(key)!r} now); set another output_dir, or delete {out_dir} to start over"
-            )
+    differ = atomic.claim_json(out_dir / IDENTITY, identity)
+    if differ is not None:
+        key, there = differ
+        raise RuntimeError(
+            f"{out_dir} holds the output of another extraction ({key}: {there!r} there, "
+            f"{identity.get(key)!r} now); set another output_dir, or delete {out_dir} to start over"
+        )
 
 
 def finish(

@@ -19,6 +19,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from eyas.workers.runtime import atomic
+
 ROWS_DIR = "rows"
 IDENTITY = "identity.json"
 
@@ -36,24 +38,14 @@ def claim(out_dir: Path, identity: dict) -> None:
     exclusive link: one writer wins); every later rank and attempt must match it."""
     folder = rows_dir(out_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / IDENTITY
-    if not path.exists():
-        tmp = folder / f".{IDENTITY}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(identity, indent=1, sort_keys=True) + "\n")
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass  # another rank won: compare with what it wrote
-        finally:
-            tmp.unlink()
-    recorded = json.loads(path.read_text())
-    for key in sorted(set(recorded) | set(identity)):
-        if recorded.get(key) != identity.get(key):
-            raise RuntimeError(
-                f"{folder} holds rows regenerated otherwise ({key}: {recorded.get(key)!r} there, "
-                f"{identity.get(key)!r} now): rows drawn two ways are never mixed; restore the setting, "
-                f"or delete {folder} to regenerate every row"
-            )
+    differ = atomic.claim_json(folder / IDENTITY, identity)
+    if differ is not None:
+        key, there = differ
+        raise RuntimeError(
+            f"{folder} holds rows regenerated otherwise ({key}: {there!r} there, "
+            f"{identity.get(key)!r} now): rows drawn two ways are never mixed; restore the setting, "
+            f"or delete {folder} to regenerate every row"
+        )
 
 
 def _lines(path: Path) -> Iterator[tuple[int, bytes]]:

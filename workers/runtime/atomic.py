@@ -103,3 +103,25 @@ def write_text(path: str | os.PathLike[str], text: str) -> None:
 def write_json(path: str | os.PathLike[str], obj: Any) -> None:
     """Write `obj` as one JSON document (with a final newline) atomically."""
     write_text(path, json.dumps(obj, indent=1) + "\n")
+
+
+def claim_json(path: str | os.PathLike[str], identity: dict) -> tuple[str, Any] | None:
+    """Record `identity` at `path` unless a record is there, and say how it differs: the first
+    key whose value differs and the recorded value, or None when the record matches.
+
+    Many ranks and attempts may claim at once: the record is written under a temp name and
+    hard-linked into place, so exactly one writer wins (a link fails where a name exists, where
+    a rename would overwrite) and every other claim compares with what the winner wrote."""
+    path = Path(path)
+    if not path.exists():
+        tmp = _temp_name(path)
+        tmp.write_text(json.dumps(identity, indent=1, sort_keys=True) + "\n")
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another rank won: compare with what it wrote
+        finally:
+            tmp.unlink()
+    recorded = json.loads(path.read_text())
+    differ = [k for k in sorted(set(recorded) | set(identity)) if recorded.get(k) != identity.get(k)]
+    return (differ[0], recorded.get(differ[0])) if differ else None
