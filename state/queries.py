@@ -686,9 +686,17 @@ def series_summary(db, run_id: int, stage: str | None = None) -> list[dict[str, 
     return rows
 
 
-def metric_rows(db, run_id: int, stage: str | None = None, names: list[str] | None = None):
+# The orders metric_rows can stream in: each series whole (a table, a CSV), or in the order the
+# samples were met, attempt after attempt (a TensorBoard writer, which wants steps in order).
+SERIES_ORDER = "stage, attempt, name, rank, time"
+TIME_ORDER = "stage, attempt, time"
+
+
+def metric_rows(db, run_id: int, stage: str | None = None, names: list[str] | None = None, order: str = SERIES_ORDER):
     """Every sample of a run (or of one stage, or of some metrics), as (time, stage, attempt,
-    rank, name, value) tuples in series order, streamed: a cursor, not a list."""
+    rank, name, value) tuples in `order`, streamed: a cursor, not a list."""
+    if order not in (SERIES_ORDER, TIME_ORDER):
+        raise ValueError(f"order: {order!r} is neither SERIES_ORDER nor TIME_ORDER")
     where, params = "run_id = ?", [run_id]
     if stage:
         where += " AND stage = ?"
@@ -697,7 +705,6 @@ def metric_rows(db, run_id: int, stage: str | None = None, names: list[str] | No
         where += f" AND name IN ({','.join('?' * len(names))})"
         params += list(names)
     return db.execute(
-        f"SELECT time, stage, attempt, rank, name, value FROM metrics WHERE {where} "
-        "ORDER BY stage, attempt, name, rank, time",
+        f"SELECT time, stage, attempt, rank, name, value FROM metrics WHERE {where} ORDER BY {order}",
         params,
     )

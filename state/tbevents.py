@@ -33,6 +33,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from eyas.state import queries
+
 # What the daemon's sampler measures of every rank (daemon/sampler.py): tagged per rank always,
 # so that rank 0's tok/s is not the stage's.
 PER_RANK = frozenset({"cpu_percent", "rss_bytes", "gpu_mem_bytes", "tok_s"})
@@ -54,20 +56,9 @@ def tag(stage: str, name: str, rank: int | None) -> str:
 
 
 def stored_rows(db, run_id: int, stage: str | None = None, names: list[str] | None = None):
-    """A run's stored samples (or one stage's, or some metrics') as (time, stage, attempt, rank,
-    name, value) tuples, attempt after attempt and oldest first within one: the order in which
-    the live writer met them. Streamed: a cursor (SQLite sorts each attempt's rows by time)."""
-    where, params = "run_id = ?", [run_id]
-    if stage:
-        where += " AND stage = ?"
-        params.append(stage)
-    if names:
-        where += f" AND name IN ({','.join('?' * len(names))})"
-        params += list(names)
-    return db.execute(
-        f"SELECT time, stage, attempt, rank, name, value FROM metrics WHERE {where} ORDER BY stage, attempt, time",
-        params,
-    )
+    """A run's stored samples (or one stage's, or some metrics') in the order in which the live
+    writer met them: attempt after attempt, oldest first within one. Streamed: a cursor."""
+    return queries.metric_rows(db, run_id, stage, names, order=queries.TIME_ORDER)
 
 
 class StepClock:
