@@ -11,21 +11,17 @@ vocabulary, vLLM's finish reason "stop" only after a stop token.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from eyas.state import contract
 from eyas.state.runconfig import RunConfig, read_model_config
 from eyas.state.target import default_layer_ids, text_value
 from eyas.workers.canary import samples
-from eyas.workers.canary.run import CanaryFailed, build_target, worker_error
+from eyas.workers.canary.run import CanaryFailed, build_target, engine_start, worker_records
 from eyas.workers.canary.shrink import shrink
-from eyas.workers.runtime import phases
 
 log = logging.getLogger("eyas.canary")
 
@@ -65,15 +61,8 @@ def run(cfg: RunConfig, output_dir: Path, workdir: Path, progress=None) -> dict[
         [len(p) for p in prompts],
         source,
     )
-    own_records = contract.ATTEMPT_DIR not in os.environ  # eyas doctor: no daemon reads the workers' records
-    if own_records:
-        os.environ[contract.ATTEMPT_DIR] = str(workdir)
-    try:
-        with (
-            progress.beating("canary engine start", kind="engine_start", budget=phases.engine_budget(None))
-            if progress is not None
-            else contextlib.nullcontext()
-        ):
+    with worker_records(workdir):
+        with engine_start(progress):
             engine = generate.launch(
                 target_path=str(target_dir),
                 dtype=settings.dtype,
@@ -94,15 +83,6 @@ def run(cfg: RunConfig, output_dir: Path, workdir: Path, progress=None) -> dict[
             )
         finally:
             engine.shutdown()
-    except Exception as exc:
-        if own_records:
-            worker = worker_error(workdir)
-            if worker is not None:
-                raise CanaryFailed(worker) from exc
-        raise
-    finally:
-        if own_records:
-            os.environ.pop(contract.ATTEMPT_DIR, None)
     check(outs, budget, vocab, set(settings.stop_token_ids))
     shutil.rmtree(workdir, ignore_errors=True)
     report = {

@@ -159,18 +159,9 @@ def _run_vllm(settings: Settings, shrunk: Shrunk, target_dir: Path, dataset, len
     from eyas.workers.vllm import backend
 
     arch, _, _ = hf_target.check(str(target_dir))
-    # Outside a daemon's attempt (eyas doctor --canary) the workers record their errors here,
-    # so that the report can name the worker and its traceback as the daemon would.
-    own_records = contract.ATTEMPT_DIR not in os.environ
-    if own_records:
-        os.environ[contract.ATTEMPT_DIR] = str(workdir)
     options = {**(settings.vllm_options or {}), "load_format": "dummy"}
-    try:
-        with (
-            progress.beating("canary engine start", kind="engine_start", budget=phases.engine_budget(None))
-            if progress is not None
-            else contextlib.nullcontext()
-        ):
+    with worker_records(workdir):
+        with engine_start(progress):
             engine = backend.Engine.start(
                 target_path=str(target_dir),
                 architecture=arch,
@@ -194,15 +185,6 @@ def _run_vllm(settings: Settings, shrunk: Shrunk, target_dir: Path, dataset, len
             _, steps = backend.run(engine, dataset, lengths, plan, hs_dir)
         finally:
             engine.shutdown()
-    except Exception as exc:
-        if own_records:
-            worker = worker_error(workdir)
-            if worker is not None:
-                raise CanaryFailed(worker) from exc
-        raise
-    finally:
-        if own_records:
-            os.environ.pop(contract.ATTEMPT_DIR, None)
     return {
         "vllm": engine.version,
         "model_class": first["model_class"],
@@ -227,6 +209,33 @@ def _run_hf(settings: Settings, shrunk: Shrunk, target_dir: Path, dataset, lengt
     ids = target.decoder.check_ids(shrunk.canary_ids)
     hf.run(target, ids, dataset, lengths, plan, hs_dir, settings.dtype, settings.device, progress=progress)
     return {"model_class": type(target.model).__name__, "decoder_class": type(target.decoder.module).__name__}
+
+
+@contextlib.contextmanager
+def worker_records(workdir: Path):
+    """Outside a daemon's attempt (eyas doctor --canary) the engine's workers record their errors
+    in `workdir`, and a failure raises CanaryFailed naming the worker and its traceback, as the
+    daemon would; inside one, the attempt's own records serve and nothing changes."""
+    own = contract.ATTEMPT_DIR not in os.environ
+    if own:
+        os.environ[contract.ATTEMPT_DIR] = str(workdir)
+    try:
+        yield
+    except Exception as exc:
+        worker = worker_error(workdir) if own else None
+        if worker is not None:
+            raise CanaryFailed(worker) from exc
+        raise
+    finally:
+        if own:
+            os.environ.pop(contract.ATTEMPT_DIR, None)
+
+
+def engine_start(progress):
+    """The canary engine's start, as a bounded phase of the rank's heartbeat (none under the doctor)."""
+    if progress is None:
+        return contextlib.nullcontext()
+    return progress.beating("canary engine start", kind="engine_start", budget=phases.engine_budget(None))
 
 
 def worker_error(attempt_dir: Path) -> str | None:
