@@ -85,7 +85,7 @@ def _class_name(name: str) -> str:
 
 
 class ExtractOptions(Table):
-    """[stages.extract] options (workers/stages/extract.py, workers/vllm/backend.py)."""
+    """[stages.extract] options: the vLLM engine's arguments and worker extension (workers/stages/extract.py, workers/vllm/backend.py)."""
 
     vllm: (
         Annotated[
@@ -108,7 +108,7 @@ class ExtractOptions(Table):
 
 
 class TrainOptions(Table):
-    """[stages.train] options (workers/stages/train.py); None: a default that depends on the device."""
+    """[stages.train] options: the training loop's finer settings (workers/stages/train.py); unset ones default by device."""
 
     scheduler: Literal["linear", "cosine", "constant"] = Field(
         "linear", description="The learning rate's decay after the warmup (linear: speculators' default)."
@@ -130,7 +130,7 @@ class TrainOptions(Table):
 
 
 class EvaluateOptions(Table):
-    """[stages.evaluate] options (workers/stages/evaluate.py)."""
+    """[stages.evaluate] options: the vLLM engines' arguments (workers/stages/evaluate.py)."""
 
     vllm: Annotated[
         dict[str, Any],
@@ -147,7 +147,7 @@ class EvaluateOptions(Table):
 
 
 class RegenerateOptions(Table):
-    """[stages.regenerate] options (workers/stages/regenerate.py)."""
+    """[stages.regenerate] options: the vLLM engines' arguments (workers/stages/regenerate.py)."""
 
     vllm: Annotated[
         dict[str, Any],
@@ -171,7 +171,7 @@ GLOO_TEARDOWNS: tuple[str, ...] = get_args(GlooTeardown)
 
 
 class SelftestOptions(Table):
-    """[stages.selftest] options (workers/stages/selftest.py says what each does)."""
+    """[stages.selftest] options: how the stage for tests and benchmarks behaves and fails (workers/stages/selftest.py)."""
 
     steps: int = Field(10, ge=0, description="Steps to run; an attempt resumes after the steps done before it.")
     step_time: float = Field(0.05, ge=0, description="Seconds each step sleeps.")
