@@ -55,7 +55,7 @@ def train_steps(cfg: RunConfig, name: str) -> tuple[str | None, str | None]:
         warn += (
             f"; lower train.batch_tokens or raise train.epochs: train.batch_tokens = {sized.batch_tokens}, "
             f"train.epochs = {sized.epochs}, train.lr = {sized.lr:g} and train.warmup_steps = "
-            f"{sized.warmup_steps} make ~{sized.total_steps} steps (eyas init sizes them so; README, "
+            f"{sized.warmup_steps} make ~{sized.total_steps} steps (eyas init sizes them so; docs/configuration.md, "
             '"Sizing training to the data")'
         )
     if sized.too_small:

@@ -141,7 +141,7 @@ def sizing_comment(sched: trainsteps.Schedule, rows: int, source: str) -> str:
     is not too small) how it came to these values."""
     outcome = "" if sched.too_small else f" {sched.why[0].upper()}{sched.why[1:]}."
     return (
-        f'Sized to the data (README, "Sizing training to the data"): at least {trainsteps.MIN_STEPS} optimizer '
+        f'Sized to the data (docs/configuration.md, "Sizing training to the data"): at least {trainsteps.MIN_STEPS} optimizer '
         f"steps, counted with training's own packing on {rows} training rows of ~{sched.tokens} tokens, {source}."
         f"{outcome} eyas validate counts the steps again, on the prepared dataset once prepare has run."
     )

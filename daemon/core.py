@@ -36,7 +36,7 @@ from .storewriter import Writer
 log = logging.getLogger("eyas.daemon.core")
 
 SAMPLE_PERIOD = 1.0
-# Retention (README): raw samples older than a week go, and never more than 2M rows;
+# Retention (docs/supervision.md): raw samples older than a week go, and never more than 2M rows;
 # the history listings read roll-ups, which are kept forever.
 METRICS_MAX_AGE = 7 * 24 * 3600.0
 METRICS_MAX_ROWS = 2_000_000

@@ -10,7 +10,7 @@ not reproduced: training shuffles with numpy's generator, this module with the s
 loads no numpy), so an epoch's count may differ from the run's by a few percent (3 % at most over
 random datasets in tests/unit/state/test_trainsteps.py).
 
-The rule `size` applies, and why (README, "Sizing training to the data"):
+The rule `size` applies, and why (docs/configuration.md, "Sizing training to the data"):
 - at least MIN_STEPS optimizer steps, a floor rather than a target: the 60-chat run of issue 35
   trained 3 and its validation accuracy stayed 0.00, where the demo's 300 chats reach 0.43 on the
   first draft token in 253 steps (and the demo's own config 0.51 in 160 at a higher lr);
@@ -233,5 +233,5 @@ def _schedule(lengths, ranks: int, seed: int, epochs: int, b: int, too_small: bo
 
 def too_small_tokens(ranks: int, batch_tokens: int = MIN_BATCH_TOKENS) -> int:
     """About the fewest training tokens that reach MIN_STEPS within MAX_EPOCHS at `batch_tokens`
-    per rank, packed perfectly: the threshold the README states (10,240 on one rank)."""
+    per rank, packed perfectly: the threshold docs/configuration.md states (10,240 on one rank)."""
     return math.ceil(MIN_STEPS / MAX_EPOCHS) * batch_tokens * max(ranks, 1)

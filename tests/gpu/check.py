@@ -17,7 +17,7 @@
 
 It prints one table and writes the same figures to <out>/check.json. Two profiles:
 
-- GPU (the default; one GPU, about 8 minutes on an H200, not yet measured: README, "GPU
+- GPU (the default; one GPU, about 8 minutes on an H200, not yet measured: docs/gpu.md, "The GPU
   check"): bfloat16 targets of a few GB each, shaped like real models so that the real kernels
   run (see SHAPES), 2400 chats, training of about 300 steps.
 - `--cpu` (CI, vLLM's CPU build): the tiny float32 targets eyas.workers.models.assets builds,

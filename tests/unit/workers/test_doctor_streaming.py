@@ -44,7 +44,7 @@ KIMI_ACTIVATIONS = 8192 * (
     3 * (2 * (4 * 7168 + 2 * 7168 + 384 * 64 + 3 * 18432) + 10 * 32000) + 2 * 4 * 7168 + 8 * 32000
 )
 KIMI_TRAIN = 4 * (KIMI_TRAINABLE + KIMI_FROZEN) + 4 * KIMI_TRAINABLE + 8 * KIMI_TRAINABLE + KIMI_ACTIVATIONS + 2**30
-H200 = 141 * GB  # as the README's arithmetic counts an H200
+H200 = 141 * GB  # as docs/streaming.md's arithmetic counts an H200
 TRAIN_TEXT = (
     "draft 0.96 B trainable + 1.63 B frozen parameters: weights 10.38 GB (fp32) + grads 3.85 GB + "
     "AdamW 7.69 GB + activations 16.47 GB (8192 tokens a step) + CUDA context 1.07 GB = 39.46 GB"
