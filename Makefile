@@ -59,16 +59,17 @@ test: $(STAMP) test-deps
 	$(PY) -m pytest -q
 
 # The browser test of `eyas tui --serve` (tests/integration/tui/test_tui_serve.py) drives a real
-# headless Chromium: Debian's chromium and chromium-driver are installed here when missing and
-# this user may (root, or sudo without a password), quietly, once; elsewhere nothing is
-# installed and that test installs them itself or skips.
+# headless Chromium, and the first-hour test (tests/e2e/test_first_hour_tmux.py) real terminals
+# in tmux: Debian's chromium, chromium-driver and tmux are installed here when missing and this
+# user may (root, or sudo without a password), quietly, once; elsewhere nothing is installed
+# and those tests install what they can themselves or skip.
 test-deps:
-	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null || ! command -v tmux >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then sudo=""; elif sudo -n true 2>/dev/null; then sudo="sudo -n"; else exit 0; fi; \
 	  command -v apt-get >/dev/null || exit 0; \
 	  $$sudo apt-get update -qq >/dev/null && \
-	  DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq chromium chromium-driver >/dev/null \
-	    || echo "make: could not install chromium and chromium-driver; the browser test will try again or skip" >&2; \
+	  DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq chromium chromium-driver tmux >/dev/null \
+	    || echo "make: could not install chromium, chromium-driver and tmux; their tests will try again or skip" >&2; \
 	fi
 
 # ruff's rules and import-linter's contracts live in pyproject.toml. The docs site builds into
