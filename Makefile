@@ -55,8 +55,9 @@ endif
 demo: $(STAMP)
 	$(VENV)/bin/eyas demo
 
+# The 25 slowest tests close the report: where the suite's time goes, run after run.
 test: $(STAMP) test-deps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The browser test of `eyas tui --serve` (tests/integration/tui/test_tui_serve.py) drives a real
 # headless Chromium, and the first-hour test (tests/e2e/test_first_hour_tmux.py) real terminals
