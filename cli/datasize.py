@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eyas.state import trainsteps
-from eyas.state.runconfig import DataConfig
+from eyas.state.inputtables import DataConfig
 
 BYTES_PER_TOKEN = 4  # without a tokenizer, as the doctor estimates (workers/doctor/resources.py)
 # Past this many bytes of rows the rest of the data is not read: the rows read stand for the

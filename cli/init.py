@@ -4,7 +4,7 @@ It reads what the doctor reads, with json and the stdlib (eyas.workers.doctor.ta
 and the safetensors index; resources.probe_gpus: NVML), and never an engine: the CLI loads no
 torch. The decisions are cli/initplan.py's arithmetic, and [train]'s schedule is sized to the
 data's rows (cli/datasize.py counts them, state/trainsteps.py sizes); the defaults it does not
-decide are the run config's own (state/runconfig.py), read from its models rather than repeated here.
+decide are the run config's own (state/runconfig.py and its tables), read from its models rather than repeated here.
 
 --data is required: prepare reads it and `eyas validate` checks that it exists, so a placeholder
 would make a file that fails validation. The config is validated before it is written; a
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.cli import initplan
-from eyas.state import regenerate, runconfig, trainsteps
+from eyas.state import drafttables, inputtables, regenerate, runconfig, trainsteps
 from eyas.state.specs import DEFAULT_PIPELINE
 from eyas.state.target import default_layer_ids, text_value
 from eyas.workers.doctor.check import human_bytes
@@ -184,7 +184,7 @@ def _train_keys(args, data_path: Path, facts, max_length: int, fraction: float, 
     for a useful draft goes to `args.warnings` too, for the terminal."""
     from eyas.cli import datasize
 
-    data = runconfig.DataConfig(path=str(data_path), max_length=max_length, validation_fraction=fraction)
+    data = inputtables.DataConfig(path=str(data_path), max_length=max_length, validation_fraction=fraction)
     found = datasize.estimate(data, str(Path(facts.path)), train.seed)
     if found is None or not found.train:
         why = "no data rows to count steps from: the run config's defaults"
@@ -207,7 +207,7 @@ def _train_keys(args, data_path: Path, facts, max_length: int, fraction: float, 
 
 def _dtype(cfg: dict) -> tuple[str, str]:
     written = text_value(cfg, "torch_dtype") or text_value(cfg, "dtype")
-    if written in runconfig.DTYPES:
+    if written in inputtables.DTYPES:
         return written, f"the checkpoint's own dtype (config.json: {written})"
     found = f"config.json names {written!r}" if written else "config.json names none"
     return "bfloat16", f"{found}; bfloat16, what current GPUs compute in"
@@ -236,18 +236,18 @@ def memory_judge(
     gpu = {"index": 0, "name": gpu_name, "mem_total": gpu_memory, "mem_used": 0}
     util, util_from = resources.vllm_default_utilization()
     data_cfg = (
-        runconfig.DataConfig(path=data)
+        inputtables.DataConfig(path=data)
         if max_length is None
-        else runconfig.DataConfig(path=data, max_length=max_length)
+        else inputtables.DataConfig(path=data, max_length=max_length)
     )
 
     def judge(tp: int) -> initplan.Fit:
         backend = "vllm" if tp > 1 else "hf"
         cfg = runconfig.RunConfig(
             name="init",
-            target=runconfig.TargetConfig(path=target, dtype=dtype),
+            target=inputtables.TargetConfig(path=target, dtype=dtype),
             data=data_cfg,
-            extract=runconfig.ExtractConfig(backend=backend, tensor_parallel_size=tp),
+            extract=drafttables.ExtractConfig(backend=backend, tensor_parallel_size=tp),
         )
         engine = resources.engine_of(cfg)
         need = resources.estimate(engine, shape, weight_bytes, gpu)
@@ -276,8 +276,8 @@ def render(
     dtype, dtype_why = _dtype(cfg)
     width = {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
     data_path = Path(args.data).expanduser().absolute()
-    defaults_data = runconfig.DataConfig.model_fields
-    train, evaluate, draft = runconfig.TrainConfig(), runconfig.EvaluateConfig(), runconfig.DraftConfig()
+    defaults_data = inputtables.DataConfig.model_fields
+    train, evaluate, draft = drafttables.TrainConfig(), drafttables.EvaluateConfig(), drafttables.DraftConfig()
     max_length = defaults_data["max_length"].default
     positions = text_value(cfg, "max_position_embeddings")
     length_why = "tokens per sample after truncation (hidden-state disk grows with it)"
@@ -386,7 +386,7 @@ def render(
         f"{explain_layer_ids(ids, n)}."
     )
     lines += _key("layer_ids", ids)
-    lines += _key("batch_size", runconfig.ExtractConfig().batch_size, "samples per forward")
+    lines += _key("batch_size", drafttables.ExtractConfig().batch_size, "samples per forward")
 
     lines += ["", "[resources]"]
     if plan.gpus:

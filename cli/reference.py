@@ -1,9 +1,10 @@
 """The generated references of the docs site: every run-config key and every CLI argument as Markdown, read from the code, with the entries that lack a description named.
 
 The run config's reference walks the pydantic models (`RunConfig` in state/runconfig.py, the
-tables it holds, `[stages.<name>]` and each stage's options model in state/specs.py) and takes
-each field's type, bounds and default from its declaration and its meaning from
-`Field(description=...)`; a table's introduction is its model's docstring. The CLI's walks the
+tables it holds from state/inputtables.py, drafttables.py, executiontables.py and the others,
+`[stages.<name>]` and each stage's options model in state/specs.py) and takes each field's type,
+bounds and default from its declaration and its meaning from `Field(description=...)`; a table's
+introduction is its model's docstring. The CLI's walks the
 argparse parser `eyas.cli.main.build_parser()` returns: every command, subcommand, flag and
 positional with its help. Since the pages are built from the code at each `mkdocs build` (the
 hook docs/hooks/reference.py calls `pages()`), they cannot drift from it; what they cannot say is
@@ -200,7 +201,8 @@ def _intro(doc: str | None) -> str:
 def config_sections() -> list[Section]:
     """The top-level keys, the run config's tables in RunConfig's order with `[stages.<name>]`
     among them, then each stage's options."""
-    from eyas.state.runconfig import RunConfig, StageConfig
+    from eyas.state.executiontables import StageConfig
+    from eyas.state.runconfig import RunConfig
     from eyas.state.specs import STAGES, NoOptions
 
     top = Section("Top-level keys", "The keys at the top of the file, before its first table.")
@@ -224,9 +226,10 @@ def config_sections() -> list[Section]:
 CONFIG_INTRO = """# Run configuration reference
 
 Every key a run's TOML file may hold, with its type, default and meaning. This page is generated
-from the run config's pydantic models (`state/runconfig.py`, `state/regenerate.py`,
-`state/tracking.py`, and the stages' options in `state/specs.py`) each time the site is built, so it
-is as current as the code. [Writing a run config](../configuration.md) explains how to start one
+from the run config's pydantic models (`state/runconfig.py`, the tables' `state/inputtables.py`,
+`state/drafttables.py`, `state/executiontables.py`, `state/regenerate.py` and `state/tracking.py`,
+and the stages' options in `state/specs.py`) each time the site is built, so it is as current as
+the code. [Writing a run config](../configuration.md) explains how to start one
 and what `eyas validate` tells you; "unset" means the key has no value unless written, and the
 meaning says what happens then.
 """

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from eyas.state import runconfig as run_config
 from eyas.state import specs
+from eyas.state.executiontables import LOG_MAX_MB
 
 
 def stage_value(cfg: dict, stage: str, key: str, default: float) -> float:
@@ -14,7 +14,7 @@ def stage_value(cfg: dict, stage: str, key: str, default: float) -> float:
 
 def log_max_mb(cfg: dict, stage: str) -> float:
     """stages.<stage>.log_max_mb of a run; the declared default for a config written without it."""
-    return stage_value(cfg, stage, "log_max_mb", run_config.LOG_MAX_MB)
+    return stage_value(cfg, stage, "log_max_mb", LOG_MAX_MB)
 
 
 def set_bounds(group, cfg: dict) -> None:

@@ -7,8 +7,9 @@ model's declarations (the bounds of `Field(ge=...)`, the choices of a `Literal`)
 is stated once, where it is enforced. Validators raise `ValueError("problem; fix")`, one line per
 problem, for what a declaration cannot say.
 
-`read_toml()` reads the file itself, its syntax errors one line too. Used for the run config and
-the stages' options (state/runconfig.py); pydantic and stdlib only.
+`read_toml()` reads the file itself, its syntax errors one line too; `AbsPath` is a path key
+relative to the file's folder. Used for the run config and the stages' options (state/runconfig.py
+and the tables it holds); pydantic and stdlib only.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import re
 import tomllib
 import types
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from annotated_types import Ge, Gt, Le, Lt
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, BeforeValidator, ValidationError, ValidationInfo
 from pydantic.fields import FieldInfo
 
 
@@ -135,6 +136,20 @@ def explain(model: type[BaseModel], err: dict[str, Any]) -> list[tuple[str, str]
     return [(key, err["msg"])]
 
 
+def _path(value: Any, info: ValidationInfo) -> str:
+    """An absolute path: a relative one counts from the TOML file's folder, the validation context's
+    base_dir. Without one (from_dict, direct construction) the path is kept as given."""
+    if not isinstance(value, str):
+        raise ValueError(f"expected a path string, got {describe(value)}")
+    if not value.strip():
+        raise ValueError("empty; write a path, relative to this file's folder or absolute")
+    base = (info.context or {}).get("base_dir")
+    return os.path.normpath(base / Path(value).expanduser()) if base is not None else value
+
+
+AbsPath = Annotated[str, BeforeValidator(_path)]
+
+
 class Report:
     """Collects one line per mistake instead of raising, so that one pass reports them all."""
 
@@ -161,6 +176,15 @@ class Report:
                 self.error(f"{prefix}{key}", f"unknown key; {none_hint or 'this table takes no keys, so remove it'}")
             else:
                 self.error(f"{prefix}{key}", f"unknown key; valid keys: {', '.join(allowed)}")
+
+    def section(self, data: dict, key: str, model: type[BaseModel], context: dict | None = None) -> Any:
+        """The table `key` of the file as a `model`; None when absent, not a table, or unusable."""
+        if key not in data:
+            return None
+        if not isinstance(data[key], dict):
+            self.error(key, f"expected a table, got {describe(data[key])}; write it as [{key}]")
+            return None
+        return self.table(model, data[key], f"{key}.", context)
 
     def table(
         self,

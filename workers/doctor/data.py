@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eyas.state.runconfig import DataConfig
+from eyas.state.inputtables import DataConfig
 from eyas.workers.data import reader
 from eyas.workers.doctor.check import Check, failed, human_bytes, passed, warned
 

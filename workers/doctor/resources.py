@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eyas.state.runconfig import DataConfig, RunConfig, stage_settings, stage_world_size
+from eyas.state.inputtables import DataConfig
+from eyas.state.runconfig import RunConfig, stage_settings, stage_world_size
 from eyas.state.specs import STAGES
 from eyas.state.target import text_value
 from eyas.workers.doctor.check import Check, failed, human_bytes, passed, warned

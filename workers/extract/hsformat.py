@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eyas.state.runconfig import HIDDEN_DTYPES
+from eyas.state.drafttables import HIDDEN_DTYPES
 
 # The header's metadata of an fp8 file; a plain file has none.
 MARK_KEY = "eyas_hidden_dtype"

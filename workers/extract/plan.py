@@ -14,8 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eyas.state.drafttables import ExtractConfig, StorageConfig
+from eyas.state.executiontables import ResourcesConfig
+from eyas.state.inputtables import TargetConfig
 from eyas.state.regenerate import data_dir
-from eyas.state.runconfig import ExtractConfig, ResourcesConfig, StorageConfig, TargetConfig, stage_options
+from eyas.state.runconfig import stage_options
 from eyas.workers.extract import hswriter
 
 log = logging.getLogger("eyas.extract")

@@ -5,7 +5,7 @@ A heartbeat alone proves only that one thread of the rank still runs. The daemon
 while its evidence moves and it is inside its budget (daemon/phases.py). The floors below are
 deliberately slow, so that a budget only ends a phase that has stopped making sense: a weight
 load at 50 MB/s per process is slower than any local disk or parallel filesystem a GPU node has.
-`[stages.<name>] phase_budgets` overrides them per kind (state/runconfig.py).
+`[stages.<name>] phase_budgets` overrides them per kind (state/executiontables.py).
 
 Stdlib only: it runs inside every rank before anything heavy is imported.
 """

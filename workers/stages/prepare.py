@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 
 from eyas.state import contract
-from eyas.state.runconfig import DataConfig, RunConfig
+from eyas.state.inputtables import DataConfig
+from eyas.state.runconfig import RunConfig
 from eyas.workers.data.chat import MaskedRenderer, RenderError, TemplateMismatch, load_tokenizer
 from eyas.workers.data.reader import (
     SKIP_REASONS,

@@ -103,7 +103,7 @@ def settings(ctx):
 
 
 def main(ctx) -> None:
-    from eyas.state.runconfig import ResourcesConfig
+    from eyas.state.executiontables import ResourcesConfig
 
     if ResourcesConfig.model_validate((ctx.config or {}).get("resources") or {}).devices == "cpu":
         from eyas.workers.runtime.cpu_share import passive_waits

@@ -18,7 +18,9 @@ from doctor_models import EYAS, H200, make_model, tokenizer_files  # noqa: F401 
 
 from eyas.cli import init, initplan
 from eyas.state import trainsteps
-from eyas.state.runconfig import DataConfig, ExtractConfig, RunConfig, TargetConfig
+from eyas.state.drafttables import ExtractConfig
+from eyas.state.inputtables import DataConfig, TargetConfig
+from eyas.state.runconfig import RunConfig
 from eyas.workers.doctor import resources
 from eyas.workers.doctor.check import Check
 from eyas.workers.models import assets

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from eyas.state.runconfig import ResourcesConfig, RunConfig, SlurmConfig
+from eyas.state.executiontables import ResourcesConfig, SlurmConfig
+from eyas.state.runconfig import RunConfig
 from eyas.workers.doctor import cluster
 
 

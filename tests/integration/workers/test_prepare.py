@@ -16,7 +16,9 @@ from daemon_harness import daemon  # noqa: F401 (fixture)
 from prepare_harness import run_prepare, write_huge_line_dataset
 from runtoml import run_toml
 
-from eyas.state.runconfig import DataConfig, DraftConfig, RunConfig, TargetConfig, TrainConfig
+from eyas.state.drafttables import DraftConfig, TrainConfig
+from eyas.state.inputtables import DataConfig, TargetConfig
+from eyas.state.runconfig import RunConfig
 from eyas.workers.data.chat import MaskedRenderer, TemplateMismatch, load_tokenizer
 from eyas.workers.data.reader import SKIP_REASONS, DataError
 from eyas.workers.doctor.tokenizer import spans

@@ -9,7 +9,7 @@ import pytest
 
 from eyas.cli import datasize
 from eyas.state import trainsteps
-from eyas.state.runconfig import DataConfig
+from eyas.state.inputtables import DataConfig
 from eyas.workers.models import assets
 
 

@@ -10,7 +10,9 @@ import pytest
 from doctor_models import MODELS
 
 from eyas.cli import init, initplan
-from eyas.state.runconfig import DataConfig, ExtractConfig, RunConfig, TargetConfig
+from eyas.state.drafttables import ExtractConfig
+from eyas.state.inputtables import DataConfig, TargetConfig
+from eyas.state.runconfig import RunConfig
 from eyas.workers.doctor import resources
 
 GB = 10**9

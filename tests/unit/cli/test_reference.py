@@ -14,7 +14,8 @@ from pydantic import BaseModel, Field
 
 from eyas.cli import reference
 from eyas.cli.main import build_parser
-from eyas.state.runconfig import RunConfig, StageConfig
+from eyas.state.executiontables import StageConfig
+from eyas.state.runconfig import RunConfig
 from eyas.state.specs import STAGES, NoOptions, Table
 
 

@@ -12,22 +12,10 @@ import pytest
 
 import eyas.workers
 from eyas.state import runconfig as config
-from eyas.state.runconfig import (
-    ConfigError,
-    DataConfig,
-    DraftConfig,
-    EvaluateConfig,
-    ExtractConfig,
-    ResourcesConfig,
-    RunConfig,
-    StageConfig,
-    TargetConfig,
-    TrainConfig,
-    load,
-    stage_options,
-    stage_settings,
-    stage_world_size,
-)
+from eyas.state.drafttables import DraftConfig, EvaluateConfig, ExtractConfig, TrainConfig
+from eyas.state.executiontables import ResourcesConfig, StageConfig
+from eyas.state.inputtables import DataConfig, TargetConfig
+from eyas.state.runconfig import ConfigError, RunConfig, load, stage_options, stage_settings, stage_world_size
 from eyas.state.specs import DEFAULT_PIPELINE
 from eyas.state.target import default_layer_ids, num_hidden_layers
 

@@ -1,4 +1,4 @@
-"""[storage] hidden_dtype (state/runconfig.py): today's storage by default, "fp8" by choice, and a
+"""[storage] hidden_dtype (state/drafttables.py): today's storage by default, "fp8" by choice, and a
 bad value refused in one line naming the key and the choices; the extract stage's settings read it."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from eyas.state.runconfig import HIDDEN_DTYPES, ConfigError, RunConfig, StorageConfig, load
+from eyas.state.drafttables import HIDDEN_DTYPES, StorageConfig
+from eyas.state.runconfig import ConfigError, RunConfig, load
 from eyas.workers.extract.plan import Settings
 
 

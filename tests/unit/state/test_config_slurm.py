@@ -1,4 +1,4 @@
-"""[resources] executor and the [slurm] table (state/runconfig.py): local by default, Slurm by
+"""[resources] executor and the [slurm] table (state/executiontables.py): local by default, Slurm by
 choice with its keys checked, and each mistake one line naming the key and the fix."""
 
 from __future__ import annotations

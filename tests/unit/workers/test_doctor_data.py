@@ -8,7 +8,7 @@ from pathlib import Path
 
 from prepare_harness import write_huge_line_dataset
 
-from eyas.state.runconfig import DataConfig
+from eyas.state.inputtables import DataConfig
 from eyas.workers.data.reader import ARRAY_MAX_BYTES
 from eyas.workers.doctor import data as doctor_data
 from eyas.workers.models import assets

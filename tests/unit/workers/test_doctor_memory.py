@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from eyas.state.runconfig import DataConfig, EvaluateConfig, ExtractConfig, RunConfig, StageConfig
+from eyas.state.drafttables import EvaluateConfig, ExtractConfig
+from eyas.state.executiontables import StageConfig
+from eyas.state.inputtables import DataConfig
+from eyas.state.runconfig import RunConfig
 from eyas.workers.doctor import resources
 
 GB = 10**9

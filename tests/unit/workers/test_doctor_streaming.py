@@ -12,15 +12,10 @@ import numpy as np
 import pytest
 from doctor_models import MODELS
 
-from eyas.state.runconfig import (
-    DataConfig,
-    DraftConfig,
-    ExtractConfig,
-    ResourcesConfig,
-    RunConfig,
-    StageConfig,
-    StorageConfig,
-)
+from eyas.state.drafttables import DraftConfig, ExtractConfig, StorageConfig
+from eyas.state.executiontables import ResourcesConfig, StageConfig
+from eyas.state.inputtables import DataConfig
+from eyas.state.runconfig import RunConfig
 from eyas.workers.doctor import resources, streaming
 
 GB = 10**9

@@ -11,7 +11,9 @@ import torch
 from rank_context import rank_context
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-from eyas.state.runconfig import DraftConfig, RunConfig, TargetConfig
+from eyas.state.drafttables import DraftConfig
+from eyas.state.inputtables import TargetConfig
+from eyas.state.runconfig import RunConfig
 from eyas.workers.data.target_vocab import target_vocab_size
 from eyas.workers.stages import vocab
 from eyas.workers.stages.vocab import VocabError, build_mapping
