@@ -231,7 +231,7 @@ def _m7_metric_series(db: sqlite_utils.Database) -> None:
     """An index that serves one rank's samples of one metric in time order, values included
     (`metrics(run_id, stage, attempt, name, rank, time, value)`), so that the curves (the TUI's,
     `eyas metrics`, `eyas show --plot`) are downsampled in SQL from the index alone: no table
-    lookup per sample, no sort, whatever the series' length (state/queries.py, metric_curve).
+    lookup per sample, no sort, whatever the series' length (state/queries/curves.py, metric_curve).
     The older index on (run_id, stage, attempt, name, time) stays: it serves the newest sample
     of any rank (queries.latest_metric) and the time-ordered reads across ranks."""
     db["metrics"].create_index(["run_id", "stage", "attempt", "name", "rank", "time", "value"], if_not_exists=True)

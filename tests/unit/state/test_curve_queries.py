@@ -1,4 +1,4 @@
-"""The curves' queries (state/queries.py): downsampling in SQL to bucket means, the skip-scans
+"""The curves' queries (state/queries/curves.py): downsampling in SQL to bucket means, the skip-scans
 for names and ranks, the step axis, and the index that answers them."""
 
 from __future__ import annotations

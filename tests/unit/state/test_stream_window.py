@@ -1,4 +1,4 @@
-"""A streaming run's window as `eyas show` and the TUI read it (state/queries.py: stream_window,
+"""A streaming run's window as `eyas show` and the TUI read it (state/queries/streaming.py: stream_window,
 window_lines): its peak is the ledger's, which extract's ranks report as window_peak_bytes and
 its summary too, not the largest of the sampled window_bytes."""
 
