@@ -19,7 +19,7 @@ from pathlib import Path
 from eyas.state import trainsteps
 from eyas.state.inputtables import DataConfig
 
-BYTES_PER_TOKEN = 4  # without a tokenizer, as the doctor estimates (workers/doctor/resources.py)
+BYTES_PER_TOKEN = 4  # without a tokenizer, as the doctor estimates (workers/doctor/disk.py)
 # Past this many bytes of rows the rest of the data is not read: the rows read stand for the
 # others (their lengths repeated for the files' remaining bytes); such data is far above MIN_STEPS,
 # and reading all of a large dataset would take init and validate minutes.

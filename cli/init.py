@@ -1,7 +1,7 @@
 """`eyas init TARGET_DIR --data FILE [--gpus N] [--gpu-memory GB] [-o OUT.toml]`: write a commented run config for a target that `eyas validate` accepts, each choice explained beside its key, never over an existing file.
 
 It reads what the doctor reads, with json and the stdlib (eyas.workers.doctor.target: config.json
-and the safetensors index; resources.probe_gpus: NVML), and never an engine: the CLI loads no
+and the safetensors index; devices.probe_gpus: NVML), and never an engine: the CLI loads no
 torch. The decisions are cli/initplan.py's arithmetic, and [train]'s schedule is sized to the
 data's rows (cli/datasize.py counts them, state/trainsteps.py sizes); the defaults it does not
 decide are the run config's own (state/runconfig.py and its tables), read from its models rather than repeated here.
@@ -125,7 +125,7 @@ def _gpus(args) -> tuple[int, int | None, str, str]:
         return 0, None, "--gpus 0: CPU mode", ""
     if args.gpus is not None and memory is not None:
         return args.gpus, memory, f"--gpus {args.gpus} of --gpu-memory {human_bytes(memory)}", ""
-    from eyas.workers.doctor.resources import probe_gpus
+    from eyas.workers.doctor.devices import probe_gpus
 
     found = probe_gpus()
     devices = found.devices if found.available else []
@@ -169,7 +169,7 @@ def _data_tokens(path: Path) -> int | None:
     """The data's tokens, estimated as the doctor estimates them (bytes ÷ BYTES_PER_TOKEN, which
     errs high), or None when the path holds no data file."""
     from eyas.workers.data.reader import DataError, data_files
-    from eyas.workers.doctor.resources import BYTES_PER_TOKEN
+    from eyas.workers.doctor.disk import BYTES_PER_TOKEN
 
     try:
         files = data_files(path)
@@ -226,15 +226,15 @@ def memory_judge(
 ) -> initplan.Judge:
     """`eyas doctor`'s memory check as initplan's Judge: for a TP, the run config init would
     write with it (extract on the hf backend at TP 1, on vLLM above; no engine options), its
-    Engine as the doctor derives it (resources.engine_of), the doctor's estimate of one idle GPU
+    Engine as the doctor derives it (memoryestimate.engine_of), the doctor's estimate of one idle GPU
     of `gpu_memory` bytes, and the doctor's room there: on vLLM the installed vLLM's default
     gpu_memory_utilization × the card (vLLM's budget), on hf the whole card (its free memory).
     `model`: the target's config.json, which sizes activations and the KV cache."""
-    from eyas.workers.doctor import resources
+    from eyas.workers.doctor import memoryestimate
 
-    shape = resources.shape_of(model)
+    shape = memoryestimate.shape_of(model)
     gpu = {"index": 0, "name": gpu_name, "mem_total": gpu_memory, "mem_used": 0}
-    util, util_from = resources.vllm_default_utilization()
+    util, util_from = memoryestimate.vllm_default_utilization()
     data_cfg = (
         inputtables.DataConfig(path=data)
         if max_length is None
@@ -249,15 +249,15 @@ def memory_judge(
             data=data_cfg,
             extract=drafttables.ExtractConfig(backend=backend, tensor_parallel_size=tp),
         )
-        engine = resources.engine_of(cfg)
-        need = resources.estimate(engine, shape, weight_bytes, gpu)
-        if backend == "vllm":  # resources.memory: need ≤ int(util × total) ≤ free
+        engine = memoryestimate.engine_of(cfg)
+        need = memoryestimate.estimate(engine, shape, weight_bytes, gpu)
+        if backend == "vllm":  # memory.memory: need ≤ int(util × total) ≤ free
             room = int(util * gpu_memory)
             room_text = f"what vLLM may use, {util:.2f} × {human_bytes(gpu_memory)} = {human_bytes(room)} ({util_from})"
         else:  # need ≤ free, all of an idle card
             room = gpu_memory
             room_text = f"the {human_bytes(gpu_memory)} of one GPU (the hf backend may use all of it)"
-        return initplan.Fit(need.total, room, resources.arithmetic(need, engine), room_text)
+        return initplan.Fit(need.total, room, memoryestimate.arithmetic(need, engine), room_text)
 
     return judge
 

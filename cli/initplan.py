@@ -5,7 +5,7 @@ decides, and its tests feed it numbers. Every decision carries the sentence that
 which init writes beside the key.
 
 The fit rule is `eyas doctor`'s memory check, not one of init's own: for each TP, init asks a
-`Judge` (cli/init.py builds it on workers/doctor/resources.py's estimate) what one GPU of the
+`Judge` (cli/init.py builds it on workers/doctor/memoryestimate.py's estimate) what one GPU of the
 extraction the config describes would need and what the engine may use there, and picks the
 smallest TP whose need is within it. So what init picks passes the doctor's memory check on
 idle GPUs, and init refuses exactly when no TP up to the GPU count does.

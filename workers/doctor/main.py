@@ -5,7 +5,8 @@ daemon side of eyas never imports torch); the preflight stage (stages/preflight.
 same `run_checks`. Checks, cheapest first so a broken install is reported in a second:
 versions (versions.py) -> the data files prepare will read (data.py) ->
 target config, weights on disk, TP sizes against the heads and experts, custom code (target.py) ->
-layer ids -> GPUs, memory, a streaming run's shared GPUs (streaming.py), disk, output dir (resources.py) ->
+layer ids -> GPUs (devices.py), memory (memory.py), a streaming run's shared GPUs (streaming.py),
+disk and output dir (disk.py) ->
 a Slurm run's clients and shared state directory (cluster.py) -> tokenizer and its chat
 template (tokenizer.py) -> adapter fit against the backend's classes (adapter.py).
 Exit status: 0 when nothing failed (warnings allowed), 1 when a check failed, 2 on bad usage.
@@ -82,7 +83,7 @@ def run_checks(
 ) -> list[Check]:
     """Every check of a loaded config, in order. `layer_ids`: the ids as the user wrote them,
     when they differ from cfg's (see load_config)."""
-    from eyas.workers.doctor import resources, target, versions
+    from eyas.workers.doctor import devices, disk, memory, target, versions
 
     checks: list[Check] = []
     uses_vllm = ("extract" in cfg.pipeline and cfg.extract.backend == "vllm") or bool(
@@ -108,19 +109,19 @@ def run_checks(
     if ids is not None and ("extract" in cfg.pipeline or layer_ids is not None):
         checks.append(target.layer_ids(ids, facts.num_layers, defaulted))
 
-    gpus = resources.probe_gpus() if cfg.resources.devices != "cpu" else resources.Gpus(False, [])
-    gpu_check, usable = resources.gpus(cfg, gpus)
+    gpus = devices.probe_gpus() if cfg.resources.devices != "cpu" else devices.Gpus(False, [])
+    gpu_check, usable = devices.gpus(cfg, gpus)
     checks.append(gpu_check)
     from eyas.workers.doctor import streaming
 
     for extra in (
-        resources.memory(cfg, facts.weight_bytes, usable, model=facts.config),
+        memory.memory(cfg, facts.weight_bytes, usable, model=facts.config),
         streaming.check(cfg, facts.weight_bytes, usable, facts.config, len(ids or ())),
-        resources.disk(cfg, output_dir, len(ids or ()), facts.hidden_size),
+        disk.disk(cfg, output_dir, len(ids or ()), facts.hidden_size),
     ):
         if extra is not None:
             checks.append(extra)
-    checks.append(resources.writable(output_dir))
+    checks.append(disk.writable(output_dir))
     from eyas.workers.doctor import cluster
 
     checks += cluster.check(cfg)

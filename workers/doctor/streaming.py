@@ -5,7 +5,7 @@ vLLM rank tensor_parallel_size of them, an hf rank one); train takes GPUs of its
 are left, else it shares extract's, its rank i on extract's i-th GPU, and with fewer of
 extract's GPUs than train ranks it never starts. On a shared card the extractor holds its share
 (vLLM: gpu_memory_utilization × the card, which it takes whole at start-up; hf: what the target
-needs, resources.estimate) and a training rank holds draft_need(). Arithmetic on config.json and
+needs, memoryestimate.estimate) and a training rank holds draft_need(). Arithmetic on config.json and
 the run's settings, as the memory check's; not measured on a GPU.
 """
 
@@ -17,10 +17,10 @@ from typing import Any
 from eyas.state import specs
 from eyas.state.runconfig import RunConfig, stage_world_size
 from eyas.state.target import text_value
-from eyas.workers.doctor import resources
+from eyas.workers.doctor import memory, memoryestimate
 from eyas.workers.doctor.check import Check, failed, human_bytes, passed
 
-GROUP = resources.GROUP
+GROUP = memory.GROUP
 NAME = "streaming"
 # A training rank (workers/train/model.py, loop.py) keeps every parameter in float32 on its GPU,
 # the frozen embedding and verifier head included (autocast computes in bf16), and for each
@@ -31,7 +31,7 @@ GRAD_BYTES = 4
 ADAM_BYTES = 8
 DDP_BUCKET_BYTES = 4
 # Activations kept for the backward pass, per token of a step (train.batch_tokens), for each of
-# draft.ttt_steps unrolled steps and each draft layer, in bf16: resources' ACT_HIDDEN_COPIES
+# draft.ttt_steps unrolled steps and each draft layer, in bf16: memoryestimate's ACT_HIDDEN_COPIES
 # hidden-sized copies, the layer's 2 × hidden input (token embedding and hidden state side by
 # side), its q, k and v, and the MLP's MLP_COPIES intermediate-sized tensors. Per step the
 # logits over the draft vocabulary: bf16 from the head, then float32 log-probabilities and
@@ -132,8 +132,8 @@ class TrainNeed:
 def draft_need(d: DraftShape, batch_tokens: int, train_ranks: int) -> TrainNeed:
     trainable, frozen = draft_parameters(d)
     h = d.hidden
-    per_layer = resources.ACT_HIDDEN_COPIES * h + 2 * h + (d.heads + 2 * d.kv_heads) * d.head_dim
-    per_layer += resources.MLP_COPIES * d.intermediate
+    per_layer = memoryestimate.ACT_HIDDEN_COPIES * h + 2 * h + (d.heads + 2 * d.kv_heads) * d.head_dim
+    per_layer += memoryestimate.MLP_COPIES * d.intermediate
     per_step = ACT_BYTES * d.layers * per_layer + STEP_LOGIT_BYTES * d.draft_vocab
     per_token = d.ttt_steps * per_step + ACT_BYTES * (d.aux + 1) * h + TARGET_LOGIT_BYTES * d.draft_vocab
     grads = trainable * (GRAD_BYTES + (DDP_BUCKET_BYTES if train_ranks > 1 else 0))
@@ -144,7 +144,7 @@ def draft_need(d: DraftShape, batch_tokens: int, train_ranks: int) -> TrainNeed:
         grads,
         trainable * ADAM_BYTES,
         batch_tokens * per_token,
-        resources.CUDA_CONTEXT,
+        memoryestimate.CUDA_CONTEXT,
         batch_tokens,
     )
 
@@ -174,7 +174,7 @@ def check(
     d = draft_shape(model, cfg, n_ids)
     if d is None:
         return None
-    engine = resources.engine_of(cfg)
+    engine = memoryestimate.engine_of(cfg)
     vllm = engine.backend == "vllm"
     ex_world, tr_world = stage_world_size(cfg, "extract"), stage_world_size(cfg, "train")
     ex_gpus = ex_world * engine.tp
@@ -182,7 +182,7 @@ def check(
     # The card the memory check judges: the freest extract may get, by its worst.
     gpu = min(sorted(usable, key=lambda g: g["mem_total"] - g["mem_used"], reverse=True)[:ex_gpus], key=_free)
     total, free = gpu["mem_total"], _free(gpu)
-    target = resources.estimate(engine, resources.shape_of(model), weight_bytes, gpu)
+    target = memoryestimate.estimate(engine, memoryestimate.shape_of(model), weight_bytes, gpu)
     if vllm:
         util, util_from = _utilization(engine)
         share = int(util * total)
@@ -246,7 +246,7 @@ def check(
     fixes = []
     if vllm:
         # The most vLLM may take beside the training rank, if the target still fits in it.
-        room = resources._floor2((free - need.total) / total)
+        room = memoryestimate.floor2((free - need.total) / total)
         if room > 0 and target.total <= room * total:
             fixes.append(f"set [stages.extract] options = {{ vllm = {{ gpu_memory_utilization = {room:.2f} }} }}")
     fits = _smaller_step(d, cfg.train.batch_tokens, tr_world, free - share)
@@ -262,11 +262,11 @@ def _free(gpu: dict[str, Any]) -> int:
     return gpu["mem_total"] - gpu["mem_used"]
 
 
-def _utilization(engine: resources.Engine) -> tuple[float, str]:
+def _utilization(engine: memoryestimate.Engine) -> tuple[float, str]:
     value = engine.options.get("gpu_memory_utilization")
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
         return float(value), f"[stages.{engine.stage}] options.vllm"
-    return resources.vllm_default_utilization()
+    return memoryestimate.vllm_default_utilization()
 
 
 def _smaller_step(d: DraftShape, batch_tokens: int, ranks: int, room: int) -> int | None:

@@ -21,8 +21,8 @@ from eyas.state import trainsteps
 from eyas.state.drafttables import ExtractConfig
 from eyas.state.inputtables import DataConfig, TargetConfig
 from eyas.state.runconfig import RunConfig
-from eyas.workers.doctor import resources
 from eyas.workers.doctor.check import Check
+from eyas.workers.doctor.memory import memory as check_memory
 from eyas.workers.models import assets
 
 GB = 10**9
@@ -87,7 +87,7 @@ def doctor_memory(target: Path, tp: int, gpus: int, memory: int, name: str = "")
         data=DataConfig(path="/data.jsonl"),
         extract=ExtractConfig(backend="hf" if tp == 1 else "vllm", tensor_parallel_size=tp),
     )
-    return resources.memory(run, weights, _devices(gpus, memory, name), model=config)
+    return check_memory(run, weights, _devices(gpus, memory, name), model=config)
 
 
 def doctor_tp(target: Path, gpus: int, memory: int, name: str = "") -> int | None:

@@ -16,8 +16,10 @@ from doctor_models import DEEPSEEK_TEXT, EYAS, H200, KIMI_AUTO_MAP, MODELS, make
 
 from eyas.state import runconfig as config
 from eyas.workers.doctor import check as doctor_check
+from eyas.workers.doctor import disk as doctor_disk
 from eyas.workers.doctor import main as doctor
-from eyas.workers.doctor import resources as doctor_resources
+from eyas.workers.doctor import memory as doctor_memory
+from eyas.workers.doctor import memoryestimate
 from eyas.workers.doctor import versions as doctor_versions
 from eyas.workers.models import adapters
 
@@ -48,7 +50,7 @@ VERSIONS_OK = {f"versions: {p}": "pass" for p in ("torch", "transformers", "toke
 DATA_OK = {"data: rows": "pass"}  # write_run's chat.jsonl (tests/unit/workers/test_doctor_data.py has the rest)
 # vLLM's default gpu_memory_utilization as the doctor reads it from the installed vLLM's source
 # (tests/unit/workers/test_doctor_memory.py reads it from planted sources).
-UTIL, UTIL_FROM = doctor_resources.vllm_default_utilization()
+UTIL, UTIL_FROM = memoryestimate.vllm_default_utilization()
 # Kimi-K2.5's language model (DeepSeek-V3's shape) per GPU at TP 8 on a GPU of 70 GiB or more,
 # where vLLM schedules 16384 tokens a step and samples 1024 sequences: 4 hidden-sized copies
 # per token plus, in a routed-expert layer, 8 experts' 3 × 2048 ÷ 8 wide MLP and their 8
@@ -544,8 +546,8 @@ def test_memory_and_disk_against_given_free_amounts(tmp_path):
     cfg = config.load(tmp_path / "r.toml")
     need = 2_000_000 * (4 * 4096 * 2 + 8)
     assert need == 65_552_000_000
-    ok = doctor_resources.disk(cfg, str(out), 4, 4096, free=need)
-    short = doctor_resources.disk(cfg, str(out), 4, 4096, free=need - 1)
+    ok = doctor_disk.disk(cfg, str(out), 4, 4096, free=need)
+    short = doctor_disk.disk(cfg, str(out), 4, 4096, free=need - 1)
     assert (ok.verdict, ok.data["need"], short.verdict) == ("pass", need, "fail")
     assert short.detail == (
         f"hidden states need 65.55 GB (2000000 tokens × 4 ids × 4096 × 2 B; prepare's summary "
@@ -556,22 +558,22 @@ def test_memory_and_disk_against_given_free_amounts(tmp_path):
     # the CUDA context (see test_llama3_8b_shaped_target_on_the_hf_backend), to the byte.
     llama = MODELS["llama"][0]
     gpu = [{"index": 0, "name": "NVIDIA H200", "mem_total": H200, "mem_used": H200 - 19_080_421_376}]
-    assert doctor_resources.memory(cfg, 16_060_522_496, gpu, model=llama).verdict == "pass"
+    assert doctor_memory.memory(cfg, 16_060_522_496, gpu, model=llama).verdict == "pass"
     gpu[0]["mem_used"] += 1
-    tight = doctor_resources.memory(cfg, 16_060_522_496, gpu, model=llama)
+    tight = doctor_memory.memory(cfg, 16_060_522_496, gpu, model=llama)
     assert (tight.verdict, tight.fix) == (
         "fail",
         'use extract.backend = "vllm" with tensor_parallel_size to shard the weights, or free GPU memory',
     )
     # Without the model's shape, activations and context are eyas init's 2 GiB planning margin.
     gpu[0]["mem_used"] = H200 - 18_208_006_144
-    assert doctor_resources.memory(cfg, 16_060_522_496, gpu).data["need"] == 16_060_522_496 + 2 * 2**30
-    assert doctor_resources.memory(cfg, 16_060_522_496, gpu).verdict == "pass"
+    assert doctor_memory.memory(cfg, 16_060_522_496, gpu).data["need"] == 16_060_522_496 + 2 * 2**30
+    assert doctor_memory.memory(cfg, 16_060_522_496, gpu).verdict == "pass"
     gpu[0]["mem_used"] += 1
-    assert doctor_resources.memory(cfg, 16_060_522_496, gpu).verdict == "fail"
+    assert doctor_memory.memory(cfg, 16_060_522_496, gpu).verdict == "fail"
     # CPU mode: the whole model in RAM plus a tenth (no CUDA context to allow for).
-    assert doctor_resources.memory(cfg, 16_060_522_496, [], ram_available=17_666_574_745).verdict == "pass"
-    cpu = doctor_resources.memory(cfg, 16_060_522_496, [], ram_available=17_666_574_744)
+    assert doctor_memory.memory(cfg, 16_060_522_496, [], ram_available=17_666_574_745).verdict == "pass"
+    cpu = doctor_memory.memory(cfg, 16_060_522_496, [], ram_available=17_666_574_744)
     assert (cpu.verdict, cpu.detail) == (
         "fail",
         "CPU mode: needs 17.67 GB of RAM (weights 16.06 GB + 1.61 GB margin), 17.67 GB available",
@@ -580,14 +582,14 @@ def test_memory_and_disk_against_given_free_amounts(tmp_path):
 
 def test_an_output_dir_under_a_file_is_not_writable(tmp_path):
     (tmp_path / "afile").write_text("")
-    check = doctor_resources.writable(str(tmp_path / "afile" / "out"))
+    check = doctor_disk.writable(str(tmp_path / "afile" / "out"))
     assert (check.verdict, check.detail, check.fix) == (
         "fail",
         f"{tmp_path}/afile/out cannot be created: {tmp_path}/afile is a file",
         "point output_dir at a folder under a writable directory",
     )
     assert (
-        doctor_resources.writable(str(tmp_path / "new" / "out")).detail
+        doctor_disk.writable(str(tmp_path / "new" / "out")).detail
         == f"{tmp_path}/new/out will be created under {tmp_path}, writable"
     )
 

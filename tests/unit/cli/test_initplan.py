@@ -13,7 +13,7 @@ from eyas.cli import init, initplan
 from eyas.state.drafttables import ExtractConfig
 from eyas.state.inputtables import DataConfig, TargetConfig
 from eyas.state.runconfig import RunConfig
-from eyas.workers.doctor import resources
+from eyas.workers.doctor import memory as doctor_memory
 
 GB = 10**9
 # Weight sizes across the range init meets: a tiny test target, 8B, 70B and DeepSeek-V3/Kimi
@@ -115,7 +115,7 @@ def _config(backend: str, tp: int) -> RunConfig:
 
 def _doctor_passes(model, weights: int, memory: int, gpus: int, tp: int) -> bool:
     idle = [{"index": i, "name": "GPU", "mem_total": memory, "mem_used": 0} for i in range(gpus)]
-    check = resources.memory(_config("hf" if tp == 1 else "vllm", tp), weights, idle, model=model)
+    check = doctor_memory.memory(_config("hf" if tp == 1 else "vllm", tp), weights, idle, model=model)
     return check.verdict == "pass"
 
 
@@ -162,7 +162,7 @@ def test_the_reason_shows_the_doctors_arithmetic():
     plan = initplan.place(8, init.memory_judge(model, weights, memory), memory)
     assert plan.tp == 8
     idle = [{"index": i, "name": "", "mem_total": memory, "mem_used": 0} for i in range(8)]
-    check = resources.memory(_config("vllm", 8), weights, idle, model=model)
+    check = doctor_memory.memory(_config("vllm", 8), weights, idle, model=model)
     arithmetic = check.detail.partition(";")[0]  # "weights ... = N GB"
     assert arithmetic.startswith(f"weights {math.ceil(weights / 8) / GB:.2f} GB/GPU (547.00 GB ÷ TP 8) + activations ")
     util = check.data["gpu_memory_utilization"]

@@ -12,7 +12,8 @@ from eyas.state.drafttables import EvaluateConfig, ExtractConfig
 from eyas.state.executiontables import StageConfig
 from eyas.state.inputtables import DataConfig
 from eyas.state.runconfig import RunConfig
-from eyas.workers.doctor import resources
+from eyas.workers.doctor import memory as doctor_memory
+from eyas.workers.doctor import memoryestimate
 
 GB = 10**9
 LLAMA_8B = {
@@ -45,7 +46,7 @@ def _vllm_source(root: Path, line: str | None) -> str:
     ],
 )
 def test_vllms_default_utilization_is_read_from_its_source(tmp_path, line, expected):
-    assert resources.vllm_default_utilization(_vllm_source(tmp_path / "vllm", line)) == expected
+    assert memoryestimate.vllm_default_utilization(_vllm_source(tmp_path / "vllm", line)) == expected
 
 
 def test_the_installed_vllms_default_is_read_without_importing_it():
@@ -53,8 +54,8 @@ def test_the_installed_vllms_default_is_read_without_importing_it():
     import sys
 
     code = (
-        "import sys; from eyas.workers.doctor import resources; "
-        "print(resources.vllm_default_utilization()[0], 'vllm' in sys.modules, 'torch' in sys.modules)"
+        "import sys; from eyas.workers.doctor import memoryestimate; "
+        "print(memoryestimate.vllm_default_utilization()[0], 'vllm' in sys.modules, 'torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[1:] == ["False", "False"]
@@ -62,7 +63,7 @@ def test_the_installed_vllms_default_is_read_without_importing_it():
 
 
 def test_the_shape_comes_from_config_json_or_its_text_config():
-    llama = resources.shape_of(LLAMA_8B)
+    llama = memoryestimate.shape_of(LLAMA_8B)
     assert (llama.kv_heads, llama.head_dim, llama.intermediate, llama.moe_intermediate, llama.mla_width) == (
         8,
         128,
@@ -70,7 +71,7 @@ def test_the_shape_comes_from_config_json_or_its_text_config():
         None,
         None,
     )
-    wrapped = resources.shape_of(
+    wrapped = memoryestimate.shape_of(
         {
             "text_config": {
                 "hidden_size": 7168,
@@ -91,9 +92,9 @@ def test_the_shape_comes_from_config_json_or_its_text_config():
         "compressed-tensors",
     )
     # No MLP width given: the classic 4 × hidden. No depth: no shape at all.
-    assert resources.shape_of({"hidden_size": 1024, "num_hidden_layers": 2}).intermediate == 4096
-    assert resources.shape_of({"hidden_size": 1024}) is None
-    assert resources.shape_of(None) is None
+    assert memoryestimate.shape_of({"hidden_size": 1024, "num_hidden_layers": 2}).intermediate == 4096
+    assert memoryestimate.shape_of({"hidden_size": 1024}) is None
+    assert memoryestimate.shape_of(None) is None
 
 
 def _cfg(tmp_path: Path, **keys) -> RunConfig:
@@ -107,14 +108,14 @@ def _gpus(total: int, name: str = "NVIDIA L4", n: int = 1, used: int = 0) -> lis
 
 def test_a_16_bit_llama_on_a_24gb_gpu_is_told_fp8_or_two_gpus(tmp_path):
     cfg = _cfg(tmp_path, extract=ExtractConfig(backend="vllm"))
-    mem = resources.memory(cfg, LLAMA_BYTES, _gpus(24 * GB, n=2), model=LLAMA_8B)
+    mem = doctor_memory.memory(cfg, LLAMA_BYTES, _gpus(24 * GB, n=2), model=LLAMA_8B)
     # Under 70 GiB vLLM schedules 8192 tokens a step and samples 256 sequences; GQA caches 8 KV
     # heads of 128 per layer for 8 sequences of 2049 tokens.
     activations = 8192 * 2 * (4 * 4096 + 3 * 14336) + 256 * 128256 * 4
     kv = 8 * 2049 * 32 * 2 * 8 * 128 * 2
     assert mem.data["need"] == LLAMA_BYTES + activations + kv + 2**30 == 20_387_209_216
-    assert (mem.verdict, mem.data["capacity"]) == ("pass", int(resources.vllm_default_utilization()[0] * 24 * GB))
-    small = resources.memory(cfg, LLAMA_BYTES, _gpus(16 * GB, n=2), model=LLAMA_8B)
+    assert (mem.verdict, mem.data["capacity"]) == ("pass", int(memoryestimate.vllm_default_utilization()[0] * 24 * GB))
+    small = doctor_memory.memory(cfg, LLAMA_BYTES, _gpus(16 * GB, n=2), model=LLAMA_8B)
     assert small.verdict == "fail"
     # fp8 halves all but the embedding and the LM head (2 × 128256 × 4096 × 2 bytes).
     kept = 2 * 128256 * 4096 * 2
@@ -128,7 +129,7 @@ def test_a_16_bit_llama_on_a_24gb_gpu_is_told_fp8_or_two_gpus(tmp_path):
 def test_the_runs_fp8_and_batch_options_are_what_is_sized(tmp_path):
     options = {"vllm": {"quantization": "fp8", "max_num_batched_tokens": 2048, "max_num_seqs": 16}}
     cfg = _cfg(tmp_path, extract=ExtractConfig(backend="vllm"), stages={"extract": StageConfig(options=options)})
-    mem = resources.memory(cfg, LLAMA_BYTES, _gpus(16 * GB), model=LLAMA_8B)
+    mem = doctor_memory.memory(cfg, LLAMA_BYTES, _gpus(16 * GB), model=LLAMA_8B)
     kept = 2 * 128256 * 4096 * 2
     assert mem.data["per_gpu_weights"] == kept + (LLAMA_BYTES - kept) // 2
     assert mem.data["activations"] == 2048 * 2 * (4 * 4096 + 3 * 14336) + 16 * 128256 * 4
@@ -142,7 +143,7 @@ def test_an_evaluate_only_run_is_sized_for_the_evaluate_engine(tmp_path):
         pipeline=("evaluate",),
         evaluate=EvaluateConfig(tensor_parallel_size=2, batch_size=4, max_tokens=128, num_speculative_tokens=3),
     )
-    mem = resources.memory(cfg, LLAMA_BYTES, _gpus(80 * GB, "NVIDIA H100 80GB HBM3", n=2), model=LLAMA_8B)
+    mem = doctor_memory.memory(cfg, LLAMA_BYTES, _gpus(80 * GB, "NVIDIA H100 80GB HBM3", n=2), model=LLAMA_8B)
     # The longest prompt (data.max_length), its answer and one round of drafts + 8; 4 sequences.
     assert (mem.data["stage"], mem.data["tp"], mem.data["max_model_len"]) == ("evaluate", 2, 2048 + 128 + 3 + 8)
     assert mem.data["kv_tokens"] == 4 * 2187
@@ -152,7 +153,7 @@ def test_an_evaluate_only_run_is_sized_for_the_evaluate_engine(tmp_path):
 
 def test_a_utilization_above_the_free_memory_names_the_one_that_starts(tmp_path):
     cfg = _cfg(tmp_path, extract=ExtractConfig(backend="vllm"))
-    mem = resources.memory(cfg, LLAMA_BYTES, _gpus(80 * GB, "NVIDIA H100 80GB HBM3", used=40 * GB), model=LLAMA_8B)
+    mem = doctor_memory.memory(cfg, LLAMA_BYTES, _gpus(80 * GB, "NVIDIA H100 80GB HBM3", used=40 * GB), model=LLAMA_8B)
     assert mem.verdict == "fail" and mem.detail.endswith(
         "but only 40.00 GB is free there (other processes hold 40.00 GB): vLLM refuses to start"
     )

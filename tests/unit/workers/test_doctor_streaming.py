@@ -16,7 +16,8 @@ from eyas.state.drafttables import DraftConfig, ExtractConfig, StorageConfig
 from eyas.state.executiontables import ResourcesConfig, StageConfig
 from eyas.state.inputtables import DataConfig
 from eyas.state.runconfig import RunConfig
-from eyas.workers.doctor import resources, streaming
+from eyas.workers.doctor import memory as doctor_memory
+from eyas.workers.doctor import memoryestimate, streaming
 
 GB = 10**9
 KIMI, KIMI_BYTES, _ = MODELS["kimi"]
@@ -100,8 +101,8 @@ def test_kimi_streaming_at_092_is_told_the_utilization_that_leaves_room_for_trai
     # (141 - 39.46) / 141 = 0.720 of the card is left to vLLM, which holds the target's 80.29 GB
     # (the memory check's arithmetic); no power-of-two step gets the rank into the 11.28 GB left.
     assert (
-        resources.estimate(
-            resources.engine_of(_kimi(tmp_path)), resources.shape_of(KIMI), KIMI_BYTES, _gpus(H200, 1)[0]
+        memoryestimate.estimate(
+            memoryestimate.engine_of(_kimi(tmp_path)), memoryestimate.shape_of(KIMI), KIMI_BYTES, _gpus(H200, 1)[0]
         ).total
         <= 0.72 * H200
     )
@@ -166,7 +167,7 @@ def test_the_hf_extractors_share_is_the_memory_checks_need(tmp_path):
     )
     gpus = _gpus(80 * GB, 1, "NVIDIA H100 80GB HBM3")
     c = streaming.check(cfg, llama_bytes, gpus, llama, 4)
-    mem = resources.memory(cfg, llama_bytes, gpus, model=llama)
+    mem = doctor_memory.memory(cfg, llama_bytes, gpus, model=llama)
     assert (c.verdict, c.data["placement"], c.data["extract_share"]) == ("pass", "shared", mem.data["need"])
     assert c.data["extract_share"] == 19_080_421_376  # tests/integration/workers/test_doctor.py's figure
     assert c.detail.startswith("train shares extract's GPUs (1 for extract, 1 usable, 1 train rank(s)): the hf ")
