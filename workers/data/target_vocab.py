@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from eyas.state.runconfig import read_model_config
+from eyas.state.target import read_model_config
 
 
 def target_vocab_size(target_path: str | os.PathLike) -> int:

@@ -13,7 +13,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from eyas.state.runconfig import default_layer_ids
+from eyas.state.target import default_layer_ids
 from eyas.workers.extract import hswriter
 from eyas.workers.extract.output import HIDDEN_STATES_DIR, TargetInfo, claim_output, finish, identity
 from eyas.workers.extract.plan import Settings, Stats, check_row, load_dataset, plan_batches, resume, row_lengths

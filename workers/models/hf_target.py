@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from eyas.state.runconfig import read_model_config
+from eyas.state.target import read_model_config
 from eyas.workers.models import adapters
 
 log = logging.getLogger("eyas.hf_target")

@@ -209,7 +209,7 @@ def main(ctx) -> None:
         trust_remote_code=s.trust_remote_code,
     )
 
-    from eyas.state.runconfig import read_model_config
+    from eyas.state.target import read_model_config
 
     cpu_mla = cpu_build and is_mla(read_model_config(s.target))
     specs = [

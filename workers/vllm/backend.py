@@ -56,8 +56,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from eyas.state.runconfig import default_layer_ids, num_hidden_layers
 from eyas.state.slurm import node_batches
+from eyas.state.target import default_layer_ids, num_hidden_layers
 from eyas.workers.extract.output import HIDDEN_STATES_DIR, TargetInfo, claim_output, finish, identity
 from eyas.workers.extract.plan import Settings, Stats, check_row, load_dataset, plan_batches, resume, row_lengths
 from eyas.workers.models import hf_target
