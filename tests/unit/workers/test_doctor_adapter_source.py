@@ -1,4 +1,4 @@
-"""The doctor's stand-ins for vLLM's classes (doctor/adapter.py), on a planted vLLM source tree:
+"""The doctor's stand-ins for vLLM's classes (doctor/vllmsource.py), on a planted vLLM source tree:
 the registry read from its tables, classes and signatures compiled from the files, names from
 outside vLLM as stand-ins, and nothing in the files ever called."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
-from eyas.workers.doctor import adapter
+from eyas.workers.doctor import adapter, vllmsource
 
 REGISTRY = """
 _TEXT_GENERATION_MODELS = {
@@ -72,7 +72,7 @@ def _tree(root: Path) -> Path:
 
 
 def test_the_registry_is_read_from_its_literal_tables(tmp_path):
-    reader = adapter._StaticVllm(_tree(tmp_path))
+    reader = vllmsource._StaticVllm(_tree(tmp_path))
     assert reader.registry() == {
         "ToyForCausalLM": ("toy", "ToyForCausalLM"),
         "OldForCausalLM": ("toy", "ToyForCausalLM"),
@@ -80,10 +80,10 @@ def test_the_registry_is_read_from_its_literal_tables(tmp_path):
 
 
 def test_classes_are_compiled_from_the_source_and_nothing_runs(tmp_path):
-    reader = adapter._StaticVllm(_tree(tmp_path))
+    reader = vllmsource._StaticVllm(_tree(tmp_path))
     top = reader.resolve(["Missing", "ToyForCausalLM"])
     assert (top.__module__, top.__qualname__) == ("vllm.model_executor.models.toy", "ToyForCausalLM")
-    nn = adapter._TORCH_MODULES
+    nn = vllmsource.TORCH_MODULES
     assert top.__mro__[1:] == (nn["torch.nn.Module"], object)
     layer = reader.import_from("vllm.model_executor.models.toy", "ToyLayer")
     # Annotations as the real classes show them; the default that would call is None instead.
@@ -99,8 +99,8 @@ def test_classes_are_compiled_from_the_source_and_nothing_runs(tmp_path):
 def test_the_adapter_checks_pass_on_the_stand_ins(tmp_path):
     from eyas.workers.models import adapters, classwalk
 
-    reader = adapter._StaticVllm(_tree(tmp_path))
-    nn = adapter._TORCH_MODULES
+    reader = vllmsource._StaticVllm(_tree(tmp_path))
+    nn = vllmsource.TORCH_MODULES
     walk = classwalk.ClassReader(
         nn["torch.nn.Module"],
         (nn["torch.nn.ModuleList"], nn["torch.nn.ModuleDict"], nn["torch.nn.Sequential"]),
