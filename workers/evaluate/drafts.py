@@ -72,7 +72,7 @@ def build_baseline(
     from eyas.workers.train import model as train_model
 
     layout = train_data.read_layout(extract_dir)
-    torch.manual_seed(seed)  # the trainer's initial draft (train/loop.py: Trainer._model)
+    torch.manual_seed(seed)  # the trainer's initial draft (train/setup.py: Setup._model)
     model = train_model.build(
         target_path, layout.aux_ids, draft_vocab, num_layers, ttt_steps, vocab_dir, "sdpa", trust_remote_code
     )

@@ -13,18 +13,16 @@ Everything that decides which batch comes when is a pure function of the run's c
 (workers/train/data.py: plan), and the noise of a step is drawn from a generator seeded by
 (seed, step, rank): a resumed attempt replays exactly the steps an uninterrupted run makes.
 
-Over 500 lines: one Trainer whose steps (data, model, resume, wrap, step, validate, save) are
-read in the order they run; its settings and schedule are workers/train/settings.py.
-
-Over 500 lines while issue 39 is open: moving training onto speculators' Trainer, or making this loop generic over its registry, is what shrinks it.
+The Trainer is one class in three modules, each a part of it read in the order it runs: its
+setup (workers/train/setup.py: the data and its batch plans, the draft built and wrapped), its
+checkpoints (workers/train/resume.py: resume, save), and here the run itself: the steps,
+validation and the stage's summary. Its settings and schedule are workers/train/settings.py.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,9 +33,10 @@ from eyas.workers.runtime.cpu_share import share_cpus
 from eyas.workers.runtime.dist import Dist
 from eyas.workers.train import checkpoint
 from eyas.workers.train import data as train_data
-from eyas.workers.train import model as train_model
 from eyas.workers.train.metrics import Meter, ratios
+from eyas.workers.train.resume import Checkpointing, Position
 from eyas.workers.train.settings import Settings, make_scheduler
+from eyas.workers.train.setup import Setup
 
 log = logging.getLogger("eyas.train")
 
@@ -51,186 +50,13 @@ MODEL_INPUTS = (
 )
 
 
-@dataclass
-class _Position:
-    epoch: int = 0  # the epoch to run next (0-based)
-    step: int = 0  # batches of that epoch already done
-    global_step: int = 0
-    history: list[dict[str, Any]] = field(default_factory=list)  # validations
-    best: dict[str, Any] | None = None
-    train_loss: float | None = None
+class Trainer(Setup, Checkpointing):
+    """One rank's training run: `run()` trains the draft and returns the stage's summary."""
 
-
-class Trainer:
     def __init__(self, ctx, s: Settings):
         self.ctx, self.s = ctx, s
         self.main = ctx.rank == 0
         self.progress = ctx.progress
-
-    # -- setup -------------------------------------------------------------------------------
-
-    def _data(self) -> None:
-        from datasets import load_from_disk
-
-        s, ctx = self.s, self.ctx
-        ds_path = s.prepare_dir / "dataset"
-        if not ds_path.is_dir():
-            raise train_data.DataError(f"{ds_path}: no prepared dataset; run the prepare stage first")
-        dataset = load_from_disk(str(ds_path))
-        self.feed = None
-        if s.streaming:
-            from eyas.workers.train.feed import Feed
-
-            all_lengths = [int(n) for n in dataset.with_format(None)["seq_len"]]
-            self.feed = Feed(ctx, s.extract_dir, s.prepare_dir, s.out_dir, all_lengths)
-            stream.wait_for(
-                s.extract_dir / "data_config.json",
-                self.progress,
-                "waiting for extract's data_config.json",
-                waits="extract",
-            )
-        self.layout = train_data.read_layout(s.extract_dir)
-        train_rows, val_rows = train_data.read_splits(s.prepare_dir, len(dataset))
-        self.train_rows, self.val_rows = train_rows, val_rows
-        if len(train_rows) < ctx.world_size:
-            raise train_data.DataError(
-                f"{len(train_rows)} training rows cannot feed {ctx.world_size} ranks; add data or lower resources.ranks"
-            )
-        hs_dir = s.extract_dir / train_data.HS_DIR
-        self.hs_dtype = torch.bfloat16 if s.device == "cuda" else torch.float32
-        self.collate = train_data.collate_fn(s.batch_tokens, self.layout, self.hs_dtype)
-        complete = self.feed is None
-        self.train_set = train_data.HiddenStatesDataset(
-            dataset, train_rows, hs_dir, self.layout, s.batch_tokens, complete
-        )
-        self.val_set = (
-            train_data.HiddenStatesDataset(dataset, val_rows, hs_dir, self.layout, s.batch_tokens, complete)
-            if val_rows
-            else None
-        )
-        lengths = self.train_set.approx_lengths
-        self.lengths = lengths
-        longest = max(lengths)
-        if longest > s.batch_tokens and self.main:
-            log.warning(
-                "samples up to %d tokens are cut at train.batch_tokens = %d; raise it to train on them whole",
-                longest,
-                s.batch_tokens,
-            )
-        self.plans = [
-            train_data.plan(lengths, s.batch_tokens, ctx.world_size, ctx.rank, s.seed, e) for e in range(s.epochs)
-        ]
-        if not self.plans[0]:
-            raise train_data.DataError("no training batch could be packed; lower train.batch_tokens")
-        self.total_steps = sum(len(p) for p in self.plans)
-        self.val_plan = (
-            train_data.plan(self.val_set.approx_lengths, s.batch_tokens, ctx.world_size, ctx.rank, s.seed, 0)
-            if self.val_set
-            else []
-        )
-        if self.val_set and not self.val_plan and self.main:
-            log.warning("%d validation rows are fewer than the %d ranks: no validation", len(val_rows), ctx.world_size)
-        self.n_train, self.n_val = len(train_rows), len(val_rows)
-
-    def _tokens(self, batch: list[int]) -> int:
-        return train_data.batch_tokens_of(batch, self.lengths, self.s.batch_tokens)
-
-    def _done_before(self, epoch: int, step: int) -> tuple[int, int]:
-        """(samples, tokens) this rank has trained on before batch `step` of `epoch`."""
-        done = [b for e in range(min(epoch, len(self.plans))) for b in self.plans[e]]
-        if epoch < len(self.plans):
-            done += self.plans[epoch][:step]
-        return sum(len(b) for b in done), sum(self._tokens(b) for b in done)
-
-    def _model(self):
-        s = self.s
-        torch.manual_seed(s.seed)  # the same initial draft on every rank, and on every retry
-        return train_model.build(
-            s.target_path,
-            self.layout.aux_ids,
-            s.draft_vocab,
-            s.num_layers,
-            s.ttt_steps,
-            s.vocab_dir,
-            s.attn_impl,
-            s.trust_remote_code,
-        )
-
-    def _resume(self, model) -> tuple[checkpoint.Checkpoint | None, _Position]:
-        s = self.s
-        if self.main:
-            removed = checkpoint.clean(s.checkpoints)
-            if removed:
-                log.info("removed %d partial checkpoint(s) left by an interrupted save", removed)
-        self.dist.barrier()  # nobody looks before the leftovers are gone
-        ckpt = checkpoint.latest(s.checkpoints)
-        if ckpt is None:
-            return None, _Position()
-        identity = self.identity
-        saved = ckpt.state.get("identity") or {}
-        for key in sorted(identity):
-            if saved.get(key) != identity[key]:
-                raise checkpoint.CheckpointError(
-                    f"{ckpt.path} was written by another training setup ({key}: {saved.get(key)!r} there, "
-                    f"{identity[key]!r} now); delete {s.checkpoints} to start over, or set another output_dir"
-                )
-        missing, unexpected = model.load_state_dict(checkpoint.load_model_state(ckpt), strict=False)
-        missing = set(missing) - train_model.frozen_keys(model)
-        if missing or unexpected:
-            raise checkpoint.CheckpointError(
-                f"{ckpt.path / checkpoint.MODEL}: missing {sorted(missing)[:3]}, "
-                f"unexpected {sorted(unexpected)[:3]}; delete it to start over"
-            )
-        st = ckpt.state
-        pos = _Position(
-            epoch=int(st["next_epoch"]),
-            step=int(st["next_step"]),
-            global_step=int(st["global_step"]),
-            history=list(st.get("validation") or []),
-            best=st.get("best"),
-            train_loss=st.get("train_loss"),
-        )
-        if self.main:
-            log.info(
-                "resuming from %s: epoch %d, step %d of it, global step %d of %d",
-                ckpt.name,
-                pos.epoch + 1,
-                pos.step,
-                pos.global_step,
-                self.total_steps,
-            )
-            best = checkpoint.best(s.checkpoints)
-            if pos.best and (best is None or best.name != pos.best["name"]):
-                # Killed between a save and its link: the trainer state knows which one is best.
-                checkpoint.set_best(s.checkpoints, pos.best["name"])
-        return ckpt, pos
-
-    def _wrap(self, model):
-        s = self.s
-        model.to(s.device)
-        if not self.dist.active:
-            return model
-        if s.strategy == "fsdp":
-            from speculators.train.distributed import apply_fully_sharded
-
-            return self.dist.track(apply_fully_sharded(model, param_dtype=self.hs_dtype))
-        from torch.nn.parallel import DistributedDataParallel
-
-        # The vocab maps are constant buffers: synced once at init, never again every forward.
-        return self.dist.track(
-            DistributedDataParallel(
-                model,
-                device_ids=[torch.cuda.current_device()] if s.device == "cuda" else None,
-                forward_sync_buffers=False,
-            )
-        )
-
-    def _state_options(self):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        # Full (unsharded) dicts, gathered on rank 0 in host memory; without a group there is
-        # nothing to gather.
-        return StateDictOptions(full_state_dict=True, cpu_offload=self.dist.active)
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -292,54 +118,6 @@ class Trainer:
 
     def _rows(self, batch: list[int]) -> list[int]:
         return [self.train_rows[j] for j in batch]
-
-    # -- checkpoints -------------------------------------------------------------------------
-
-    def _save(self, name: str, pos: _Position) -> None:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        # Gathering full state dicts and writing them: silent for minutes with a large draft.
-        with self.progress.beating(
-            f"checkpoint {name}",
-            kind="checkpoint",
-            budget=phases.save_budget(3 * sum(p.numel() * p.element_size() for p in self.model.parameters())),
-            evidence=phases.io_evidence,
-        ):  # weights and the optimizer's two moments
-            opts = self._state_options()
-            msd = get_model_state_dict(self.model, options=opts)  # collective under FSDP
-            osd = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
-            if self.main:
-                t0 = time.monotonic()
-                state = {
-                    "name": name,
-                    "next_epoch": pos.epoch,
-                    "next_step": pos.step,
-                    "global_step": pos.global_step,
-                    "total_steps": self.total_steps,
-                    "epochs": self.s.epochs,
-                    "identity": self.identity,
-                    "scheduler": self.scheduler.state_dict(),
-                    "validation": pos.history,
-                    "best": pos.best,
-                    "train_loss": pos.train_loss,
-                    "time": time.time(),
-                    "rng": {
-                        "noise": "normal, from a torch.Generator seeded by (seed, global_step, rank)",
-                        "seed": self.s.seed,
-                        "noise_std": self.s.noise_std,
-                    },
-                }
-                path = checkpoint.save(self.s.checkpoints, name, self.bare, msd, osd, state)
-                if pos.best and pos.best.get("name") == name:
-                    checkpoint.set_best(self.s.checkpoints, name)
-                pruned = checkpoint.prune_steps(self.s.checkpoints, keep=name)
-                log.info(
-                    "checkpoint %s saved in %.1fs%s",
-                    path,
-                    time.monotonic() - t0,
-                    f" (removed {', '.join(pruned)})" if pruned else "",
-                )
-        self.dist.barrier()
 
     # -- the run -----------------------------------------------------------------------------
 
@@ -525,7 +303,7 @@ class Trainer:
             f"{vals[f'{prefix}acc_{k}']:.3f}" for k in range(self.s.ttt_steps) if f"{prefix}acc_{k}" in vals
         )
 
-    def _summary(self, ckpt, pos: _Position, meter: Meter) -> dict[str, Any]:
+    def _summary(self, ckpt, pos: Position, meter: Meter) -> dict[str, Any]:
         s, ctx = self.s, self.ctx
         totals = self._reduce(
             {}, {"tokens": meter.tokens, "seconds": meter.seconds, "cpu": meter.cpu_seconds, "all": meter.all_tokens}
