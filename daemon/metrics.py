@@ -11,8 +11,9 @@ from eyas.state import contract, store
 from . import tensorboard
 from .group import Group
 from .phases import node_tree
+from .rankprogress import newest_mtime
 from .ranks import Rank
-from .sampler import RankRef, newest_mtime
+from .sampler import RankRef
 
 
 def _running(rank: Rank) -> bool:

@@ -8,16 +8,17 @@ what comes back: `metrics` rows through `state.store.insert_metrics`, the `ranks
 Progress counts are per rank: each rank writes its own cumulative samples/tokens (and its
 own totals), so a stage's figures are the sums over its ranks.
 
-Over 500 lines (one concern: turning one sample of every rank into rows): the progress-file phases and the process states joined it this session; issue 37 splits the per-rank reading from the roll-ups.
+Of each rank it reads two things, each in a module of its own: its process tree
+(daemon/proctree.py) and its progress file (daemon/rankprogress.py); here they become metric
+rows, the ranks' roll-ups and their stages'.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,15 +26,10 @@ from typing import Any
 import psutil
 
 from eyas.daemon.phases import CPU_MOVE_S
-from eyas.daemon.progressfile import ProgressReader
-from eyas.state.procs import same_start
+from eyas.daemon.proctree import children_map, created, live_tree, measure
+from eyas.daemon.rankprogress import COUNTS, RankProgress, last_write, read_progress
 from eyas.workers.nvml import GpuProbe
 
-# Record keys that identify a record rather than measure something.
-_NOT_METRICS = frozenset({"time", "rank", "pid", "attempt"})
-_COUNTS = ("samples", "samples_total", "tokens", "tokens_total")
-
-_GONE = (psutil.NoSuchProcess, psutil.AccessDenied)  # ZombieProcess is a NoSuchProcess
 # "off": measure as before the watchdog read processes' states (no state, CPU times or title per
 # process). Only tests/bench/bench_daemon_overhead.py sets it, for its baseline in the same run;
 # the watchdog's process and phase rules see nothing then.
@@ -81,170 +77,6 @@ class SampleResult:
     phases: dict[Key, dict] = field(default_factory=dict)
 
 
-class _Series:
-    """A cumulative counter over time: rate over a trailing window, and mean since the first point."""
-
-    def __init__(self, window_s: float):
-        self.window_s = window_s
-        self.first: tuple[float, float] | None = None
-        self.last: tuple[float, float] | None = None
-        self.interval = 0.0  # time between the last two points: sparse writers go stale later
-        # Points inside the window plus one at or before its start, the baseline of the rate.
-        self.win: deque[tuple[float, float]] = deque()
-
-    def add(self, t: float, v: float) -> None:
-        if self.first is None:
-            self.first = (t, v)
-        if self.last is not None:
-            self.interval = t - self.last[0]
-        self.last = (t, v)
-        self.win.append((t, v))
-        while len(self.win) >= 2 and self.win[1][0] <= t - self.window_s:
-            self.win.popleft()
-
-    def rate(self, now: float) -> float | None:
-        """Units per second over the last window of points; 0 once the writer has gone quiet."""
-        if self.last is None or len(self.win) < 2:
-            return None
-        (t0, v0), (t1, v1) = self.win[0], self.last
-        if t1 <= t0:
-            return None
-        if now - t1 > 3 * max(self.window_s, self.interval):
-            return 0.0  # stalled or finished: a stale rate would hide a hang and skew the ETA
-        return (v1 - v0) / (t1 - t0)
-
-    def mean(self) -> float | None:
-        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
-            return None
-        return (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
-
-
-class _Progress:
-    """What one rank's progress file has said so far."""
-
-    def __init__(self, path: Path, window_s: float):
-        self.path = path
-        self.reader = ProgressReader(path)
-        self.window_s = window_s
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget what the file said: it was truncated or replaced."""
-        self.bad = 0
-        self.counts: dict[str, float] = {}
-        self.tokens = _Series(self.window_s)
-        self.samples = _Series(self.window_s)
-        self.gpu_mem: float | None = None  # the largest gpu_mem_bytes a progress line reported
-        self.counted_at: float | None = None  # the time of the last record that was no heartbeat
-        self.phase: dict | None = None  # the open phase, from its last heartbeat
-
-
-def _phase_line(prog: _Progress, rec: dict, t: float) -> str | None:
-    """Take a heartbeat line into `prog.phase`: "moved" when its evidence changed (or the phase
-    began), "beat" when it did not, "ended" for the phase's last line, None for any other line.
-
-    Moving evidence is the one thing of a heartbeat that shows the phase working rather than a
-    thread beating (daemon/phases.py)."""
-    if "heartbeat" not in rec:
-        return None
-    if rec.get("ended"):
-        if prog.phase is not None and prog.phase["phase"] == str(rec["heartbeat"]):
-            prog.phase = None
-        return "ended"
-    detail = rec.get("phase") if isinstance(rec.get("phase"), dict) else {}
-    name = str(rec["heartbeat"])
-    since = _number(detail.get("since")) or t
-    evidence = detail.get("evidence")
-    old = prog.phase
-    before = None if old is None else old.get("evidence")
-    fresh = old is None or old["phase"] != name or old["since"] != since
-    if fresh:
-        prog.phase = {"phase": name, "since": since, "evidence_at": since}
-    prog.phase.update(
-        kind=str(detail.get("kind") or "other"),
-        budget=_number(detail.get("budget")),
-        waits=detail.get("waits"),
-        evidence=evidence,
-        time=t,
-    )
-    return "moved" if fresh or (evidence is not None and evidence != before) else "beat"
-
-
-def _title(p: psutil.Process) -> str:
-    """How a process names itself: its command line (a renamed process's new name), else its comm."""
-    try:
-        argv = p.cmdline()
-    except _GONE:
-        argv = []
-    if argv:
-        head = os.path.basename(argv[0]) if argv[0].startswith("/") else argv[0]
-        # setproctitle pads a renamed process's command line with spaces.
-        return " ".join([head, *argv[1:]]).strip()[:160]
-    try:
-        return p.name()
-    except _GONE:
-        return "?"
-
-
-def _created(p: psutil.Process) -> float:
-    try:
-        return p.create_time()
-    except _GONE:
-        return 0.0
-
-
-def _number(value: Any) -> float | None:
-    # bool is an int, and NaN/inf would land as NULL in a NOT NULL column and sink the batch.
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return None
-
-
-def last_write(ref: RankRef, prog: _Progress | None = None) -> float | None:
-    """When the rank last showed life: the newest of its log's mtime, its last progress record
-    that was no heartbeat, and the last move of its open phase's evidence (None before any).
-
-    A heartbeat is not a sign of life (daemon/phases.py): a rank whose heartbeat thread beats
-    while the rest of it hangs must go quiet. The files' own times, so a late sample never
-    makes a quiet rank look busy. Without what the progress file said (`prog`), its mtime."""
-    if prog is None:
-        return newest_mtime(ref.log_path, ref.progress_path)
-    times = [newest_mtime(ref.log_path), prog.counted_at, (prog.phase or {}).get("evidence_at")]
-    return max((t for t in times if t is not None), default=None)
-
-
-def newest_mtime(*paths: Path | None) -> float | None:
-    """The newest modification time of the files that exist among `paths`; None if none does."""
-    newest = None
-    for path in paths:
-        if path is None:
-            continue
-        try:
-            t = os.stat(path).st_mtime
-        except OSError:
-            continue
-        newest = t if newest is None else max(newest, t)
-    return newest
-
-
-def _children_map() -> dict[int, list[int]]:
-    """ppid -> child pids for every process, from one scan of /proc.
-
-    psutil's Process.children(recursive=True) rescans all of /proc on each call, once per
-    rank; one scan per sample, shared by all ranks, is what keeps the sampler cheap.
-    psutil keeps that scan (`_ppid_map`) private, hence the public fallback.
-    """
-    try:
-        ppids = psutil._ppid_map()
-    except (AttributeError, psutil.AccessDenied):
-        ppids = {p.pid: p.info["ppid"] for p in psutil.process_iter(["ppid"])}
-    children: dict[int, list[int]] = defaultdict(list)
-    for pid, ppid in ppids.items():
-        if ppid is not None:
-            children[ppid].append(pid)
-    return children
-
-
 class Sampler:
     """Measures ranks. Keeps psutil.Process objects and file offsets between calls."""
 
@@ -256,7 +88,7 @@ class Sampler:
         # Cached Process objects: cpu_percent(interval=None) measures since the previous call
         # on the same object, and the cache also keeps orphans whose monitor has died.
         self._trees: dict[Key, dict[int, psutil.Process]] = {}
-        self._progress: dict[Key, _Progress] = {}
+        self._progress: dict[Key, RankProgress] = {}
         self._peak: dict[Key, int] = {}
         self._cpu_marks: dict[Key, tuple[float, float | None]] = {}  # (tree CPU s, when it last moved)
         # (pid, create_time) -> (its comm, its command line), read again when its comm changes.
@@ -273,11 +105,11 @@ class Sampler:
         """Drop everything kept for an attempt's ranks (call when its group has ended)."""
         for pid, p in [(pid, p) for k, tree in self._trees.items() if k[0] == attempt_id for pid, p in tree.items()]:
             if self._titles is not None:
-                self._titles.pop((pid, _created(p)), None)
+                self._titles.pop((pid, created(p)), None)
         for cache in (self._trees, self._progress, self._peak, self._cpu_marks):
             for key in [k for k in cache if k[0] == attempt_id]:
                 gone = cache.pop(key)
-                if isinstance(gone, _Progress):
+                if isinstance(gone, RankProgress):
                     gone.reader.close()
 
     def close(self) -> None:
@@ -312,8 +144,8 @@ class Sampler:
                             }
                         )
 
-        children = _children_map() if any(r.root_pid or self._trees.get((r.attempt_id, r.rank)) for r in ranks) else {}
-        per_stage: dict[tuple[int, str], list[tuple[RankRef, _Progress | None]]] = defaultdict(list)
+        children = children_map() if any(r.root_pid or self._trees.get((r.attempt_id, r.rank)) for r in ranks) else {}
+        per_stage: dict[tuple[int, str], list[tuple[RankRef, RankProgress | None]]] = defaultdict(list)
         for ref in ranks:
             key = (ref.attempt_id, ref.rank)
 
@@ -331,8 +163,8 @@ class Sampler:
                 )
 
             roll: dict[str, float] = {}
-            procs = self._tree(ref, key, children, ref.exclude)
-            cpu, rss, res.procs[key] = self._measure(procs, self._titles)
+            procs = live_tree(self._trees, ref, key, children, ref.exclude)
+            cpu, rss, res.procs[key] = measure(procs, self._titles)
             res.descendants[key] = [(p["pid"], p["create_time"]) for p in res.procs[key]]
             if procs:
                 roll.update(cpu_percent=cpu, rss=float(rss))
@@ -344,7 +176,7 @@ class Sampler:
                     used = sum(gpu_mem.get(pid, 0) for pid in procs)
                     self._peak[key] = max(self._peak.get(key, 0), used)
                     row("gpu_mem_bytes", used)
-            prog = self._read_progress(ref, key, row)
+            prog = read_progress(self._progress, ref, key, row, self.rate_window_s, self.log)
             wrote = last_write(ref, prog)
             if prog is not None and prog.phase is not None and self.watching:
                 # Inside a phase, the CPU of the rank's own processes is a sign of life too
@@ -380,157 +212,15 @@ class Sampler:
             self._stage(skey, members, now, res)
         return res
 
-    def _tree(
-        self, ref: RankRef, key: Key, children: dict[int, list[int]], exclude: frozenset[int] = frozenset()
-    ) -> dict[int, psutil.Process]:
-        """The rank's live processes: its verified root, everything below it, and known orphans
-        (less the `exclude`d subtrees)."""
-        known = self._trees.setdefault(key, {})
-        # is_running() re-checks create time, so a cached pid that was reused drops out here.
-        live = {pid: p for pid, p in known.items() if pid not in exclude and p.is_running()}
-        if exclude:
-            # Cached descendants of an excluded process (seen before it registered) go too.
-            dropped = set(exclude)
-            todo = list(exclude)
-            while todo:
-                for child in children.get(todo.pop(), ()):
-                    if child not in dropped:
-                        dropped.add(child)
-                        todo.append(child)
-            live = {pid: p for pid, p in live.items() if pid not in dropped}
-        root = ref.root_pid
-        if root and root not in live:
-            try:
-                p = psutil.Process(root)
-                created = p.create_time()
-            except _GONE:
-                p = None
-            if p is not None and same_start(created, ref.root_create_time):
-                live[root] = p
-        # Walk down from every live member, not only the root: a monitor that died leaves its
-        # worker (reparented to init) still running and still the rank's.
-        todo = list(live)
-        while todo:
-            for child in children.get(todo.pop(), ()):
-                if child not in live and child not in exclude:
-                    try:
-                        live[child] = psutil.Process(child)
-                    except _GONE:
-                        continue
-                    todo.append(child)
-        self._trees[key] = live
-        return live
-
-    @staticmethod
-    def _measure(procs: dict[int, psutil.Process], titles: dict | None) -> tuple[float, int, list[dict]]:
-        """Summed CPU % and RSS of the tree, and each live process's pid, create time, state
-        (psutil's status name), CPU seconds and title; drops what vanished.
-
-        RSS counts pages shared between the processes once per process: USS would not, but
-        reading smaps for it costs far more than a 1 Hz sampler may spend. State and CPU times
-        come from the same read of /proc/<pid>/stat as the rest (oneshot); the title (the
-        command line, which vLLM's processes rename, "VLLM::EngineCore") once per name it takes.
-        """
-        cpu, rss, members = 0.0, 0, []
-        for pid in list(procs):
-            p = procs[pid]
-            try:
-                with p.oneshot():  # one read of /proc/<pid>/stat serves all of these
-                    c = p.cpu_percent(interval=None)  # 0.0 on the first call for a process
-                    m = p.memory_info().rss
-                    created = p.create_time()
-                    if titles is None:  # WATCH_ENV=off: the baseline's measure
-                        cpu, rss = cpu + c, rss + m
-                        members.append({"pid": pid, "create_time": created, "state": "?", "cpu": 0.0, "title": "?"})
-                        continue
-                    state = p.status()
-                    times = p.cpu_times()
-                    comm = p.name()
-            except _GONE:
-                del procs[pid]
-                continue
-            # Read again when the process renamed itself since (vLLM's do, after start-up).
-            comm_then, title = titles.get((pid, created), (None, None))
-            if title is None or comm_then != comm:
-                title = _title(p)
-                titles[(pid, created)] = (comm, title)
-            cpu += c
-            rss += m
-            members.append(
-                {
-                    "pid": pid,
-                    "create_time": created,
-                    "state": state,
-                    "cpu": round(times.user + times.system, 3),
-                    "title": title,
-                }
-            )
-        return cpu, rss, members
-
-    def _read_progress(self, ref: RankRef, key: Key, row) -> _Progress | None:
-        prog = self._progress.get(key)
-        path = Path(ref.progress_path)
-        if prog is None or prog.path != path:
-            if not path.exists():
-                return None
-            if prog is not None:
-                prog.reader.close()
-            prog = self._progress[key] = _Progress(path, self.rate_window_s)
-        restarts = prog.reader.restarts
-        records, bad = prog.reader.read()
-        counted = moved = False
-        if prog.reader.restarts != restarts:  # truncated or replaced: what we knew is void
-            prog.reset()
-        if bad:
-            if not prog.bad:
-                self.log.warning("progress file %s: corrupt line skipped (the rank writes bad JSON)", prog.path)
-            prog.bad += bad
-        for rec in records:
-            t = _number(rec.get("time"))
-            if t is None:
-                t = time.time()  # a record without its own time: it was written moments ago
-            kind = _phase_line(prog, rec, t)
-            if kind is not None:
-                moved = moved or kind == "moved"
-                counted = counted or kind == "ended"  # a phase that ended is work done
-                continue
-            counted = True
-            emit = ref.metrics_since is None or t > ref.metrics_since
-            for name, raw in rec.items():
-                if name in _NOT_METRICS:
-                    continue
-                value = _number(raw)
-                if value is None:
-                    continue
-                if emit:
-                    row(name, value, t)
-                if name in _COUNTS:
-                    prog.counts[name] = value
-                elif name == "gpu_mem_bytes":
-                    prog.gpu_mem = max(prog.gpu_mem or 0, value)
-            tokens, samples = _number(rec.get("tokens")), _number(rec.get("samples"))
-            if tokens is not None:
-                prog.tokens.add(t, tokens)
-            if samples is not None:
-                prog.samples.add(t, samples)
-        if counted or moved:
-            # The file's own time, as for the log (last_write): a rank's clock may differ.
-            written = newest_mtime(path)
-            if counted:
-                prog.counted_at = written
-            if moved and prog.phase is not None:
-                prog.phase["evidence_at"] = written or prog.phase["evidence_at"]
-        return prog
-
     def _stage(
-        self, skey: tuple[int, str], members: list[tuple[RankRef, _Progress | None]], now: float, res: SampleResult
+        self, skey: tuple[int, str], members: list[tuple[RankRef, RankProgress | None]], now: float, res: SampleResult
     ) -> None:
         out: dict[str, float] = {}
         peaks = [self._peak[(r.attempt_id, r.rank)] for r, _ in members if (r.attempt_id, r.rank) in self._peak]
         if peaks:
             out["peak_gpu_mem"] = float(max(peaks))
         progs = [p for _, p in members if p is not None]
-        for name in _COUNTS:
+        for name in COUNTS:
             have = [p.counts[name] for p in progs if name in p.counts]
             if have:
                 out[name] = sum(have)
