@@ -38,7 +38,7 @@ def _engine_args(fixed: tuple[str, ...], why: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-# The engine arguments each stage sets itself: keep them in step with eyas.workers.vllm.backend.engine_args() and
+# The engine arguments each stage sets itself: keep them in step with eyas.workers.vllm.engine.engine_args() and
 # the engine arguments of workers/evaluate/engines.py.
 EXTRACT_ENGINE_ARGS = (
     "model",
@@ -85,7 +85,7 @@ def _class_name(name: str) -> str:
 
 
 class ExtractOptions(Table):
-    """[stages.extract] options: the vLLM engine's arguments and worker extension (workers/stages/extract.py, workers/vllm/backend.py)."""
+    """[stages.extract] options: the vLLM engine's arguments and worker extension (workers/stages/extract.py, workers/vllm/engine.py)."""
 
     vllm: (
         Annotated[

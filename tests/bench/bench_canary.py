@@ -81,12 +81,13 @@ def child(mode: str, cfg_path: Path, scratch: Path) -> None:
     from eyas.state.target import default_layer_ids, read_model_config
     from eyas.workers.extract import plan as extract_plan
     from eyas.workers.vllm import backend
+    from eyas.workers.vllm.engine import Engine
 
     ds = extract_plan.load_dataset(out / "prepare" / "dataset")
     lengths = extract_plan.row_lengths(ds, out)
     model_cfg = read_model_config(cfg.target.path)
     n = model_cfg["num_hidden_layers"]
-    engine = backend.Engine.start(
+    engine = Engine.start(
         target_path=cfg.target.path,
         architecture=model_cfg["architectures"][0],
         dtype="float32",

@@ -65,6 +65,7 @@ def child(tp: int, target: Path, data: Path, batch: int, scratch: Path) -> dict:
     from eyas.workers.extract import hswriter
     from eyas.workers.extract import plan as extract_plan
     from eyas.workers.vllm import backend as vllm_backend
+    from eyas.workers.vllm.engine import Engine
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     ds = extract_plan.load_dataset(data)
@@ -73,7 +74,7 @@ def child(tp: int, target: Path, data: Path, batch: int, scratch: Path) -> dict:
     rows = ds.with_format(None)
     prompts = [[TokensPrompt(prompt_token_ids=list(rows[i]["input_ids"])) for i in b] for b in plan]
     model_cfg = read_model_config(target)
-    engine = vllm_backend.Engine.launch(
+    engine = Engine.launch(
         target_path=str(target),
         dtype="float32",
         tp=tp,

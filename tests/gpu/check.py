@@ -11,7 +11,7 @@
    every sample (hs_<i>.safetensors, workers/extract/hswriter.py), against a tolerance;
 4. extraction tok/s against a prefill-only vLLM `LLM.generate(max_tokens=1)` of the same
    prompts, in the same batches (extract/plan.py: plan_batches), in an engine started with the
-   backend's own arguments (vllm/backend.py: Engine.launch), in a child process;
+   backend's own arguments (vllm/engine.py: Engine.launch), in a child process;
 5. the train stage's steps, final loss and validation accuracy, and the evaluate stage's
    acceptance length (vLLM's eagle3 speculator) beside the untrained draft's.
 
@@ -531,7 +531,7 @@ def generate_child(spec: dict[str, Any]) -> dict[str, Any]:
 
     from eyas.state.target import read_model_config
     from eyas.workers.extract import plan as extract_plan
-    from eyas.workers.vllm import backend as vllm_backend
+    from eyas.workers.vllm.engine import Engine
 
     dataset = Path(spec["dataset"])
     ds = extract_plan.load_dataset(dataset)
@@ -539,7 +539,7 @@ def generate_child(spec: dict[str, Any]) -> dict[str, Any]:
     plan = extract_plan.plan_batches(lengths, 1, 0, spec["batch"])
     rows = ds.with_format(None)
     prompts = [[TokensPrompt(prompt_token_ids=[int(t) for t in rows[i]["input_ids"]]) for i in b] for b in plan]
-    engine = vllm_backend.Engine.launch(
+    engine = Engine.launch(
         target_path=spec["target"],
         dtype=spec["dtype"],
         tp=1,

@@ -132,7 +132,7 @@ def engine_of(cfg: RunConfig) -> Engine:
             cfg.extract.backend,
             cfg.extract.tensor_parallel_size if vllm else 1,
             options,
-            # workers/vllm/backend.py: the longest sample + 1, unless the options set it.
+            # workers/vllm/engine.py: the longest sample + 1, unless the options set it.
             _positive(options.get("max_model_len")) or max_length + 1,
             cfg.extract.batch_size,
             cfg.extract.batch_size * max_length,

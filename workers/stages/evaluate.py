@@ -35,7 +35,7 @@ Engine settings (the code path is the same on CPU and GPU; only these differ):
 - on the CPU build: VLLM_CPU_KVCACHE_SPACE=1 (GiB, unless set), VLLM_MLA_DISABLE=1 for MLA
   targets, the engine core in the engine's own child process (VLLM_ENABLE_V1_MULTIPROCESSING=0:
   one process per engine instead of three; workers/vllm/settings.py says why), the CPU TP core
-  binding (vllm/backend.py: cpu_env);
+  binding (vllm/engine.py: cpu_env);
 - the same environment and arguments for all three engines, the reference included, so the
   target computes the same function in each.
 Extra engine arguments: [stages.evaluate] options = { vllm = { gpu_memory_utilization = 0.8 } }.
@@ -133,7 +133,7 @@ def settings(ctx) -> Settings:
 
 def engine_env(s: Settings, cpu_build: bool) -> dict[str, str]:
     """The children's extra environment (the same for all three engines)."""
-    from eyas.workers.vllm.backend import cpu_env
+    from eyas.workers.vllm.engine import cpu_env
     from eyas.workers.vllm.settings import in_process_engine_env, speculative_env
 
     if not cpu_build:

@@ -24,7 +24,7 @@ vLLM 0.32 and 0.33). With pipeline parallelism off, which eyas requires, rank ==
 
 The RPC methods (all named eyas_*, since vLLM refuses an extension whose names collide with
 the worker's): eyas_setup, eyas_expect, eyas_collect, eyas_finish. Every reply is a dict, so a
-list that comes back from collective_rpc is always one reply per rank (backend.replies).
+list that comes back from collective_rpc is always one reply per rank (engine.replies).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def with_native_rotary(args: dict) -> dict:
     """`args` with vLLM's PyTorch-native rotary embedding instead of its custom op.
 
     For MLA targets on vLLM's CPU build: the CPU rotary kernel mis-rotates MLA's strided query
-    view (eyas.workers.vllm.backend says how), while the native path computes
+    view (eyas.workers.vllm.engine says how), while the native path computes
     what transformers computes, which is what the draft learnt from."""
     compilation = dict(args.get("compilation_config") or {})
     compilation["custom_ops"] = [*compilation.get("custom_ops", []), "-rotary_embedding"]

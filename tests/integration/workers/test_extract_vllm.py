@@ -33,7 +33,7 @@ from eyas.state import queries, runconfig, schema, store
 from eyas.workers.extract import hswriter
 from eyas.workers.models import adapters
 from eyas.workers.stages import extract
-from eyas.workers.vllm import backend as vllm_backend
+from eyas.workers.vllm import engine as vllm_engine
 from eyas.workers.vllm import layout as vllm_layout
 from eyas.workers.vllm import version as vllm_version
 
@@ -140,15 +140,15 @@ LENGTHS = [37, 5, 23, 61, 12, 48, 29, 17, 3, 55, 90, 8]
 
 def test_replies_take_a_list_per_rank_or_one_value():
     r0, r1 = {"tp_rank": 0, "samples": [1]}, {"tp_rank": 1}
-    assert vllm_backend.replies([r0, r1], 2) == [r0, r1]  # LLM.collective_rpc
-    assert vllm_backend.replies(r0, 2) == [r0]  # executor, unique_reply_rank=0
-    assert vllm_backend.reply_of([r1, r0], 2, 0) is r0  # by the rank it names, not the index
-    assert vllm_backend.reply_of(r0, 2, 0) is r0
+    assert vllm_engine.replies([r0, r1], 2) == [r0, r1]  # LLM.collective_rpc
+    assert vllm_engine.replies(r0, 2) == [r0]  # executor, unique_reply_rank=0
+    assert vllm_engine.reply_of([r1, r0], 2, 0) is r0  # by the rank it names, not the index
+    assert vllm_engine.reply_of(r0, 2, 0) is r0
     with pytest.raises(RuntimeError, match="collective_rpc returned 3 replies for 2 TP ranks"):
-        vllm_backend.replies([r0, r1, r1], 2)
+        vllm_engine.replies([r0, r1, r1], 2)
     # speculators' bug: a single reply that is itself a list (of layer tensors) read as per-rank.
     with pytest.raises(RuntimeError, match="collective_rpc returned list, not eyas's dict replies"):
-        vllm_backend.replies([torch.zeros(2), torch.zeros(2)], 2)
+        vllm_engine.replies([torch.zeros(2), torch.zeros(2)], 2)
 
 
 def test_version_check_names_the_supported_versions():
@@ -164,13 +164,13 @@ def test_version_check_names_the_supported_versions():
 
 
 def test_engine_args_fix_what_capture_needs_and_refuse_overrides():
-    args = vllm_backend.engine_args(
+    args = vllm_engine.engine_args(
         "/m",
         "float32",
         2,
         False,
         90,
-        vllm_backend.EXTENSION,
+        vllm_engine.EXTENSION,
         {"max_num_batched_tokens": 64},
         {"kv_lora_rank": 512},
         cpu_build=True,
@@ -196,16 +196,16 @@ def test_engine_args_fix_what_capture_needs_and_refuse_overrides():
         "worker_extension_cls": "eyas.workers.vllm.ext.EyasWorkerExtension",
     }
     assert args["compilation_config"] == {"custom_ops": ["-rotary_embedding"]}  # MLA on the CPU build
-    assert "compilation_config" not in vllm_backend.engine_args("/m", "float32", 1, False, 9, "x", None, {}, True)
+    assert "compilation_config" not in vllm_engine.engine_args("/m", "float32", 1, False, 9, "x", None, {}, True)
     # A float32 MLA target on the CPU build gets the reference MLA kernel: vLLM's AMX one (its
     # choice on hosts with AMX tiles) packs only bf16/fp16 weights and fails the load.
     mla = {"kv_lora_rank": 512}
     assert args["attention_backend"] == "CPU_MLA"
-    assert "attention_backend" not in vllm_backend.engine_args("/m", "bfloat16", 1, False, 9, "x", None, mla, True)
-    assert "attention_backend" not in vllm_backend.engine_args("/m", "float32", 1, False, 9, "x", None, mla, False)
-    assert "attention_backend" not in vllm_backend.engine_args("/m", "float32", 1, False, 9, "x", None, {}, True)
+    assert "attention_backend" not in vllm_engine.engine_args("/m", "bfloat16", 1, False, 9, "x", None, mla, True)
+    assert "attention_backend" not in vllm_engine.engine_args("/m", "float32", 1, False, 9, "x", None, mla, False)
+    assert "attention_backend" not in vllm_engine.engine_args("/m", "float32", 1, False, 9, "x", None, {}, True)
     assert (
-        vllm_backend.engine_args("/m", "float32", 1, False, 9, "x", {"attention_backend": "TORCH_SDPA"}, mla, True)[
+        vllm_engine.engine_args("/m", "float32", 1, False, 9, "x", {"attention_backend": "TORCH_SDPA"}, mla, True)[
             "attention_backend"
         ]
         == "TORCH_SDPA"
@@ -213,13 +213,13 @@ def test_engine_args_fix_what_capture_needs_and_refuse_overrides():
     # Overriding what eyas sets is refused with the run's options (state/specs.py), before any engine.
     with pytest.raises(ValueError, match="options.vllm: sets enforce_eager, tensor_parallel_size, which eyas sets"):
         runconfig.stage_options("extract", {"vllm": {"tensor_parallel_size": 4, "enforce_eager": False}})
-    assert vllm_backend.cpu_env(1) == {}
-    assert set(vllm_backend.cpu_env(2)) == {"VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"}
-    assert vllm_backend.cpu_env(2)["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1
+    assert vllm_engine.cpu_env(1) == {}
+    assert set(vllm_engine.cpu_env(2)) == {"VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"}
+    assert vllm_engine.cpu_env(2)["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1
     with pytest.raises(ValueError, match="worker extension 'nowhere.Ext' cannot be imported"):
-        vllm_backend.load_extension("nowhere.Ext")
+        vllm_engine.load_extension("nowhere.Ext")
     with pytest.raises(ValueError, match="does not subclass eyas.workers.vllm.ext.EyasWorkerExtension"):
-        vllm_backend.load_extension("eyas.workers.vllm.backend.Engine")
+        vllm_engine.load_extension("eyas.workers.vllm.engine.Engine")
 
 
 def test_layout_maps_rows_to_requests_and_refuses_a_wrong_one():
