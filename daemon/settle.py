@@ -13,7 +13,7 @@ never the moment the write finally got through.
 
 A streaming run's extract and train fail as one: the half torn down because the other failed
 (daemon/agent.py) settles after it, as cancelled and never as a root cause, and restarts with
-it when the failed half restarts (_sibling_end).
+it when the failed half restarts (the verdict is daemon/verdict.py's).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from eyas.state import contract, specs, store
 from eyas.state.contract import ErrorRecord
 
-from . import diskfull, failures, intent, watchdog
+from . import diskfull, failures, intent, verdict, watchdog
 from .failures import who
 from .group import Group
 from .ranks import RankExit, read_json
@@ -71,7 +71,8 @@ def describe(core, group: Group) -> Account:
 
 def record(core, db, group: Group, account: Account, records: list[ErrorRecord]) -> None:
     """On the store thread, in the job's one transaction: the exits, the errors, the attempt's
-    end, and the stage's and run's (or the restart the policy calls for, with its due time)."""
+    end, and the stage's and run's (or the restart the policy calls for, with its due time).
+    The policy is daemon/verdict.py's; this gathers its facts and writes its verdict."""
     run_id, stage, end = group.run_id, group.stage, account.ended_at
     with core.transaction():
         for ex, fields in account.exit_fields:
@@ -83,62 +84,43 @@ def record(core, db, group: Group, account: Account, records: list[ErrorRecord])
         srow = store.stage_row(db, run_id, stage)
         # The user's stop, in memory or recorded by a daemon that died since (intent.py).
         cancel = group.cancel_reason or db["attempts"].get(group.attempt_id).get("cancel_reason")
+        failure = None
         if records:
             rec = records[0]
             lead = "" if account.records[0][0] is None else f"{who(account.records[0][0])} failed: "
-            why = f"{lead}{rec.type}" + (f": {rec.message}" if rec.message else "")
-            store.move_attempt(db, group.attempt_id, "failed", why, now=end)
-            # A final failure (the stage's word: a rerun fails the same way) is never restarted.
-            if (
-                cancel is None
-                and not rec.final
-                and srow["restarts"] < (srow["max_restarts"] or 0)
-                and not core.stopping
-            ):
-                n = srow["restarts"] + 1
-                backoff = core._backoff(db, run_id, stage) * (2 ** (n - 1))
-                # Due from the real end: a write that waited out a lock does not push it back.
-                store.schedule_restart(db, run_id, stage, n, end + backoff)
-                core._emit_state(
-                    run_id,
-                    "stage",
-                    "running",
-                    f"restart {n} of {srow['max_restarts']} in {backoff:.1f}s after {why}",
-                    stage=stage,
-                )
-                return
-            core._move_stage(run_id, stage, "failed", why, summary_json=account.summary_json, now=end)
-            if not _sibling_live(core, group):  # else the run ends with the sibling's settlement
-                core._finish_run(db, run_id, "failed", f"{stage}: {why}", now=end)
-        elif cancel is not None and cancel.startswith(specs.SIBLING_TEARDOWN):
-            _sibling_end(core, db, group, srow, cancel, end)
-        elif cancel is not None:
-            store.move_attempt(db, group.attempt_id, "cancelled", cancel, now=end)
-            core._move_stage(run_id, stage, "cancelled", cancel, now=end)
-            if not _sibling_live(core, group):
-                core._finish_run(db, run_id, "cancelled", f"{stage}: {cancel}", now=end)
-        else:
-            store.move_attempt(db, group.attempt_id, "succeeded", "every rank exited 0", now=end)
-            core._move_stage(
-                run_id, stage, "succeeded", "every rank exited 0", summary_json=account.summary_json, now=end
-            )
+            failure = f"{lead}{rec.type}" + (f": {rec.message}" if rec.message else "")
+        facts = verdict.StageRecord(
+            stage, srow["restarts"], srow["max_restarts"] or 0, core._backoff(db, run_id, stage) if records else 0.0
+        )
+        ending = verdict.Ending(failure, bool(records) and records[0].final, cancel, end)
+        found = verdict.decide(ending, facts, core.stopping, _sibling(core, db, group))
+        _write(core, db, group, found, account.summary_json, end)
 
 
-def _sibling_end(core, db, group: Group, srow: dict, why: str, end: float) -> None:
-    """The end of a streaming half torn down because the other half failed (agent.py settles it
-    after that one): never a root cause. It restarts with the failed half, at the same due
-    time and without spending a restart of its own; else its stage is cancelled and the run
-    ends failed, in the failed half's words (that half left the run's end to this one)."""
+def _sibling(core, db, group: Group) -> verdict.Sibling | None:
+    """The other half of a streaming pair as the verdict needs it; None for any other stage."""
+    other = specs.sibling(group.stage)
+    if other is None:
+        return None
+    try:
+        row = store.stage_row(db, group.run_id, other)
+    except store.NotFound:  # a pipeline with one half only: no sibling to wait for
+        return None
+    return verdict.Sibling(other, _sibling_live(core, group), row["state"], row["reason"], row["restart_at"])
+
+
+def _write(core, db, group: Group, found: verdict.Verdict, summary_json: str | None, end: float) -> None:
     run_id, stage = group.run_id, group.stage
-    store.move_attempt(db, group.attempt_id, "cancelled", why, now=end)
-    other = store.stage_row(db, run_id, specs.sibling(stage))
-    if other["state"] == "running" and other["restart_at"] is not None and not core.stopping:
-        store.schedule_restart(db, run_id, stage, srow["restarts"], other["restart_at"])
-        core._emit_state(run_id, "stage", "running", f"restarts with {other['name']}: {why}", stage=stage)
+    store.move_attempt(db, group.attempt_id, found.attempt, found.attempt_reason, now=end)
+    if found.restart is not None:
+        # Due from the real end: a write that waited out a lock does not push it back.
+        store.schedule_restart(db, run_id, stage, found.restart.number, found.restart.due)
+        core._emit_state(run_id, "stage", "running", found.restart_note, stage=stage)
         return
-    core._move_stage(run_id, stage, "cancelled", why, now=end)
-    # The run's end is the failed half's: its root cause, in its words.
-    core._finish_run(db, run_id, "failed", f"{other['name']}: {other['reason']}", now=end)
+    summary = {"summary_json": summary_json} if found.keeps_summary else {}
+    core._move_stage(run_id, stage, found.stage, found.stage_reason, now=end, **summary)
+    if found.run is not None:
+        core._finish_run(db, run_id, found.run, found.run_reason, now=end)
 
 
 def _sibling_live(core, group: Group) -> bool:
