@@ -41,9 +41,6 @@ from eyas.state.inputtables import DataConfig, TargetConfig, check_data, check_t
 from eyas.state.regenerate import RegenerateConfig
 from eyas.state.specs import DEFAULT_PIPELINE, STAGES, Table
 from eyas.state.target import default_layer_ids, text_value
-
-# workers/canary/ imports read_model_config from here; its home is state/target.py.
-from eyas.state.target import read_model_config as read_model_config
 from eyas.state.tomlcheck import AbsPath, ConfigError, Report, describe, is_int, read_toml
 from eyas.state.tracking import TrackingConfig
 

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eyas.state.runconfig import RunConfig, read_model_config
-from eyas.state.target import default_layer_ids, text_value
+from eyas.state.runconfig import RunConfig
+from eyas.state.target import default_layer_ids, read_model_config, text_value
 from eyas.workers.canary import samples
 from eyas.workers.canary.run import CanaryFailed, build_target, engine_start, worker_records
 from eyas.workers.canary.shrink import shrink

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from eyas.state import contract
-from eyas.state.runconfig import RunConfig, read_model_config
-from eyas.state.target import default_layer_ids, text_value
+from eyas.state.runconfig import RunConfig
+from eyas.state.target import default_layer_ids, read_model_config, text_value
 from eyas.workers.canary import samples
 from eyas.workers.canary.shrink import Shrunk, shrink
 from eyas.workers.extract.plan import Settings, plan_batches
