@@ -180,7 +180,7 @@ def test_make_n_setup_without_a_gpu_prints_the_cpu_install_unchanged(tree, bin_d
 def test_make_n_follows_eyas_stack_and_refuses_a_bad_one(tree, bin_dir):
     # The tests' own deps (test-deps: Chromium for the browser test) come between the stack and pytest.
     cmds = _commands(_make_n(tree, bin_dir, "test", EYAS_STACK="cuda"))
-    assert cmds[: len(CUDA_INSTALL)] == CUDA_INSTALL and cmds[-1] == ".venv/bin/python -m pytest -q"
+    assert cmds[: len(CUDA_INSTALL)] == CUDA_INSTALL and cmds[-1] == ".venv/bin/python -m pytest -q --durations=25"
     assert any("chromium" in c for c in cmds[len(CUDA_INSTALL) : -1])
     _nvidia_smi(bin_dir, f'echo "{H200}"')
     assert _commands(_make_n(tree, bin_dir, "demo", EYAS_STACK="cpu")) == [*CPU_INSTALL, ".venv/bin/eyas demo"]
