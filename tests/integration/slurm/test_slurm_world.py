@@ -9,6 +9,7 @@ import shlex
 import psutil
 import pytest
 import slurm_world
+from daemon_harness import wait_for
 
 
 def test_the_node_is_idle_with_the_machines_cpus(slurm, record_property):
@@ -56,9 +57,15 @@ def test_stop_leaves_no_process_behind():
     with slurm_world.running() as world:
         job = world.sbatch("--ntasks=2", "--wrap", "srun sleep 300")
         world.wait_state(job, {"RUNNING"})
-        started = world.marked()
-        # The daemons, a step daemon, the batch script, srun and the tasks.
-        assert {"munged", "slurmctld", "slurmd", "slurmstepd", "sleep"} <= {p.name() for p in started}
+        # The daemons, a step daemon, the batch script, srun and the tasks: RUNNING is the batch
+        # script's start, and srun's step and its tasks come after it (seconds, on a loaded machine).
+        wanted = {"munged", "slurmctld", "slurmd", "slurmstepd", "sleep"}
+        started = wait_for(
+            lambda: (found := world.marked()) and wanted <= {p.name() for p in found} and found,
+            60,
+            0.2,
+            "the job's step and its tasks to start",
+        )
     assert all(p.poll() is not None for p in world.procs.values())
     # A step daemon's parent is init, which reaps it: a zombie is an exit not yet collected.
     assert [p for p in started if _alive(p)] == []
