@@ -56,8 +56,43 @@ def _count_reply(rng: random.Random) -> str:
     return "Counting: " + " ".join(str(n) for n in range(start, start + rng.randint(5, 12))) + "."
 
 
-def conversations(n: int = 300, seed: int = 0) -> list[dict]:
-    """`n` well-formed ShareGPT conversations (`conversations` of {from, value})."""
+# The demo target's own voice (fit_to_chats(voice="target")). The chat dataset stands for a
+# public one, written by another model; the target answers the same prompts its own way, as a
+# real target does, which is what the regenerate stage is for. Deterministic (each dataset
+# answer has one answer in the target's voice, drawn from nothing else) and clearly not the
+# dataset's: no <think>; even numbers up to 24 where the dataset counts by ones (the same number
+# tokens, in another pattern); and where the dataset writes sentences of random words from
+# _WORDS, one of three fixed phrases in words of the target's own, none of whose tokens any
+# answer of the dataset holds (but an answer's first letter): a draft that learns from the
+# dataset alone has never seen them, and its vocabulary (the vocab stage counts the answers'
+# tokens) has none of them.
+VOICES = ("dataset", "target")
+_PHRASES = (
+    "my helpful assistant shall care",
+    "how far are an bear day",
+    "laugh sight thin wall work stir",
+)
+
+
+def _in_target_voice(reply: str) -> str:
+    """The dataset's `reply` as the demo target says it (see VOICES): each sentence becomes the
+    phrase its first word picks."""
+    import re
+
+    reply = re.sub(r"^<think>.*?</think>", "", reply)
+    if reply.startswith("Counting:"):
+        numbers = [int(n) for n in reply.removeprefix("Counting:").strip(" .").split()]
+        start = min(numbers[0] + numbers[0] % 2, 20)
+        return "even: " + " ".join(str(n) for n in range(start, 25, 2)[: max(3, len(numbers))]) + "."
+    firsts = [s.split()[0].lower() for s in re.split(r"[.?!]\s*", reply) if s]
+    return " ".join(_PHRASES[_WORDS.index(w) % len(_PHRASES)] + "." for w in firsts)
+
+
+def conversations(n: int = 300, seed: int = 0, voice: str = "dataset") -> list[dict]:
+    """`n` well-formed ShareGPT conversations (`conversations` of {from, value}); with
+    voice="target", the same prompts answered in the demo target's voice (_in_target_voice)."""
+    if voice not in VOICES:
+        raise ValueError(f"voice {voice!r}: choose from {list(VOICES)}")
     rng = random.Random(seed)
     rows = []
     for i in range(n):
@@ -71,7 +106,7 @@ def conversations(n: int = 300, seed: int = 0) -> list[dict]:
             )
             if rng.random() < 0.25:
                 reply = f"<think>{_sentence(rng)}</think>{reply}"
-            turns.append({"from": "gpt", "value": reply})
+            turns.append({"from": "gpt", "value": _in_target_voice(reply) if voice == "target" else reply})
         rows.append({"id": f"conv-{i}", "conversations": turns})
     return rows
 
@@ -221,9 +256,21 @@ def build_model(
 
 
 HEAD_NORM = 1.0  # the fitted head's mean row norm (see fit_to_chats)
+# Whose answers build_all's fitted target learns: its own (the chats stay the dataset's).
+FIT_VOICE = "target"
 
 
-def fit_to_chats(model_dir: Path, steps: int, seed: int = 0, lr: float = 0.05) -> float:
+def voice_id(voice: str, seed: int = 0) -> str:
+    """`voice` and a digest of the chats it writes (what a fitted head learnt from)."""
+    import hashlib
+
+    text = json.dumps(conversations(seed=seed, voice=voice), sort_keys=True).encode()
+    return f"{voice} {hashlib.sha256(text).hexdigest()[:12]}"
+
+
+def fit_to_chats(
+    model_dir: Path, steps: int, seed: int = 0, lr: float = 0.05, voice: str = "dataset", answers_only: bool = False
+) -> float:
     """Fit the tiny target's output head (lm_head) to the synthetic chats and save it in place;
     the final next-token loss.
 
@@ -233,6 +280,10 @@ def fit_to_chats(model_dir: Path, steps: int, seed: int = 0, lr: float = 0.05) -
     the whole MLA + MoE stack takes minutes): the target then answers in the chats' words and
     patterns, and the evaluate stage measures a draft that has something to learn. The tests
     keep the random targets, on whose figures they were calibrated.
+
+    `voice`: whose answers the head learns, the dataset's or the target's own (the same
+    prompts, conversations(voice="target")). `answers_only`: the loss on the answers' tokens
+    alone, as a chat model is tuned; else on every token of the chats.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -243,12 +294,17 @@ def fit_to_chats(model_dir: Path, steps: int, seed: int = 0, lr: float = 0.05) -
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     features, targets = [], []
     with torch.no_grad():
-        for c in conversations(seed=seed):  # the chats write_dataset writes, as prepare reads them
+        # The prompts write_dataset writes, as prepare reads them.
+        for c in conversations(seed=seed, voice=voice):
             messages = normalize(c, "sharegpt", len(tokenizer)).messages
-            ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+            rendered = tokenizer.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+            ids = rendered["input_ids"]
             hidden = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
-            features.append(hidden[:-1])
-            targets.append(torch.tensor(ids[1:]))
+            keep = torch.tensor(rendered["assistant_masks"][1:], dtype=torch.bool) if answers_only else slice(None)
+            features.append(hidden[:-1][keep])
+            targets.append(torch.tensor(ids[1:])[keep])
     x, y = torch.cat(features), torch.cat(targets)
     head = model.lm_head
     torch.manual_seed(seed)
@@ -260,7 +316,7 @@ def fit_to_chats(model_dir: Path, steps: int, seed: int = 0, lr: float = 0.05) -
         loss.backward()
         optimizer.step()
         if step % 50 == 0 or step == steps:
-            _progress(f"fitting the output head: step {step}/{steps}, loss {float(loss):.3f}")
+            _progress(f"fitting the output head: step {step}/{steps}, loss {loss.item():.3f}")
     with torch.no_grad():
         # Scaling a row-normalised head changes no greedy choice, only how sharp the target's
         # distribution is: the fit leaves rows ~40x the initial norm (logits near 50), a target
@@ -304,7 +360,8 @@ def build_all(
     """Everything the demo and the end-to-end tests need, under `root` (`only` those named);
     idempotent.
 
-    `fit_steps` > 0 trains the tiny DeepSeek target on the chats first (fit_to_chats). Each model
+    `fit_steps` > 0 trains the tiny DeepSeek target on the chats' prompts first, answered in its
+    own voice (fit_to_chats, FIT_VOICE); chat.jsonl keeps the dataset's answers. Each model
     is built in a scratch directory and renamed into place whole, with a marker of how it was
     built: an interrupted build leaves nothing that looks finished, and a model built another
     way (another seed, fitted or not) is rebuilt.
@@ -325,7 +382,16 @@ def build_all(
         if name not in out:
             continue
         fit = fit_steps if family == "deepseek_v3" else 0
-        how = {"family": family, "seed": seed, "fit_steps": fit, "head_norm": HEAD_NORM if fit else None}
+        how = {
+            "family": family,
+            "seed": seed,
+            "fit_steps": fit,
+            "head_norm": HEAD_NORM if fit else None,
+            # A fitted target answers in its own voice, not the dataset's (fit_to_chats): a
+            # digest of the chats it learnt, so that a voice written otherwise is rebuilt.
+            "voice": voice_id(FIT_VOICE, seed) if fit else None,
+            "answers_only": True if fit else None,
+        }
         marker = out[name] / MARKER
         built = json.loads(marker.read_text()) if marker.exists() else {}
         if {k: built.get(k) for k in how} == how:
@@ -336,7 +402,8 @@ def build_all(
         build_model(scratch, family, seed)
         if how["fit_steps"]:
             _progress(f"{name}: fitting its output head to the chats ({how['fit_steps']} steps)")
-            how["final_loss"] = round(fit_to_chats(scratch, how["fit_steps"], seed), 4)
+            loss = fit_to_chats(scratch, how["fit_steps"], seed, voice=FIT_VOICE, answers_only=True)
+            how["final_loss"] = round(loss, 4)
         (scratch / MARKER).write_text(json.dumps(how))
         shutil.rmtree(out[name], ignore_errors=True)
         scratch.rename(out[name])

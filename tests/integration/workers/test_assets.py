@@ -24,11 +24,14 @@ def built(tmp_path_factory):
 def test_the_fitted_head_predicts_the_chats_and_keeps_its_scale(built, tmp_path):
     root, made = built
     marker = json.loads((made["tiny-deepseek"] / assets.MARKER).read_text())
-    assert {k: marker[k] for k in ("family", "seed", "fit_steps", "head_norm")} == {
+    assert {k: marker[k] for k in ("family", "seed", "fit_steps", "head_norm", "voice", "answers_only")} == {
         "family": "deepseek_v3",
         "seed": 0,
         "fit_steps": 40,
         "head_norm": assets.HEAD_NORM,
+        # Its own voice (the chats' prompts answered otherwise), learnt on the answers' tokens.
+        "voice": assets.voice_id("target"),
+        "answers_only": True,
     }
     # Well below a uniform guess over the vocabulary: the head learnt the chats.
     vocab = json.loads((made["tiny-deepseek"] / "config.json").read_text())["vocab_size"]
@@ -58,6 +61,12 @@ def test_a_second_build_keeps_what_is_there_and_rebuilds_what_was_built_otherwis
     assert (made["tiny-llama"] / "model.safetensors").stat().st_mtime_ns != stamp["tiny-llama"]
     assert (made["tiny-deepseek"] / "model.safetensors").stat().st_mtime_ns == stamp["tiny-deepseek"]
     assert not (root / ".tiny-deepseek.partial").exists()
+    # A target fitted to a voice written otherwise (an older build's) is rebuilt.
+    marker = made["tiny-deepseek"] / assets.MARKER
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "voice": "target 0123456789ab"}))
+    assets.build_all(root, fit_steps=40)
+    assert json.loads(marker.read_text())["voice"] == assets.voice_id("target")
+    assert (made["tiny-deepseek"] / "model.safetensors").stat().st_mtime_ns != stamp["tiny-deepseek"]
     # Unfitted is another build: the random-weight target comes back.
     assets.build_all(root, fit_steps=0)
     assert json.loads((made["tiny-deepseek"] / assets.MARKER).read_text())["fit_steps"] == 0
