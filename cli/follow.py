@@ -346,6 +346,21 @@ def result(stage: str, s: dict | None) -> str:
         return ""
     if stage == "prepare" and "rows_out" in s:
         return f"{s['rows_out']} rows, {s.get('tokens', 0):,} tokens, {s.get('skipped_total', 0)} skipped"
+    if stage == "regenerate" and "rows_out" in s:
+        # What the later stages train on now: the target's own answers (and what cut them short).
+        parts = [
+            f"{s['rows_out']} of {_num(s.get('rows'), 'd')} rows answered by the target",
+            f"{_num(s.get('turns'), 'd')} turns",
+            f"{_num(s.get('tokens_generated'), ',d')} tokens",
+        ]
+        for key, what in (
+            ("rows_cut_max_tokens", "with a turn cut at max_tokens"),
+            ("rows_cut_max_length", "cut at max_length"),
+            ("rows_failed", "failed"),
+        ):
+            if s.get(key):
+                parts.append(f"{s[key]} {what}")
+        return ", ".join(parts)
     if stage == "extract" and "samples" in s:
         return f"{s['samples']} samples, layers {s.get('layer_ids')}"
     if stage == "vocab" and "draft_vocab_size" in s:
