@@ -149,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument(
         "--canary",
         action="store_true",
-        help="also run the extraction's canary: the run's engine on a shrunken, dummy-weight copy of the target",
+        help="also run the canaries: the run's extraction engine, and its generation engine when it regenerates, "
+        "on a shrunken, dummy-weight copy of the target",
     )
 
     ini = sub.add_parser("init", help="write a commented run config for a target, sized for the GPUs")

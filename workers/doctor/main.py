@@ -146,13 +146,17 @@ def diagnose(path: str, output_dir: str | None = None) -> list[Check]:
     return checks + run_checks(cfg, out, written_ids, defaulted)
 
 
-def canary_check(path: str, before: list[Check]) -> Check:
+def canary_checks(path: str, before: list[Check]) -> list[Check]:
+    """The extraction's canary, then the generation's when the run regenerates (doctor/canary.py)."""
     from eyas.workers.doctor import canary
 
     cfg, _, _, _ = load_config(path)
     if cfg is None:
-        return canary.check_without_config()
-    return canary.check(cfg, cfg.output_dir or default_output_dir(), before)
+        return [canary.check_without_config()]
+    out = cfg.output_dir or default_output_dir()
+    found = [canary.check(cfg, out, before)]
+    generation = canary.check_generate(cfg, out, before + found)
+    return found + ([generation] if generation is not None else [])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,15 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--canary",
         action="store_true",
-        help="also run the extraction's canary: the run's engine and worker extension on a shrunken, "
-        "dummy-weight copy of the target (tens of seconds)",
+        help="also run the canaries: the run's extraction engine and worker extension, and for a run that "
+        "regenerates its generation engine, on a shrunken, dummy-weight copy of the target (tens of seconds each)",
     )
     args = parser.parse_args(argv)
     t0 = time.monotonic()
     _quiet()
     checks = diagnose(args.config)
     if args.canary:
-        checks.append(canary_check(args.config, checks))
+        checks += canary_checks(args.config, checks)
     if args.json:
         print(check.dumps(checks, config=os.path.abspath(args.config), seconds=round(time.monotonic() - t0, 3)))
     else:
