@@ -15,7 +15,11 @@ workers. What differs from extraction, and why:
 A batch of requests is sent whole and waited for (`generate`), as extraction sends its
 batches: the engine's steps are then a function of the batch alone. Outputs come back as deltas
 (RequestOutputKind.DELTA), so a long batch reports its tokens as they come (`on_tokens`), which
-is the life the stall watchdog sees, and no step copies a request's whole answer.
+is the life the stall watchdog sees, and no step copies a request's whole answer. A request's
+delta comes every STREAM_INTERVAL tokens (and with its first and its last), not at every step:
+vLLM builds an output object per request per delta, and one per token cost the stage 2-4 % of
+its tokens per second against `LLM.generate` (which builds one per answer) where decoding is
+fast (tests/bench/bench_regenerate.py); the life the watchdog sees still comes every few steps.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from eyas.workers.vllm.backend import EXTENSION, Engine
 log = logging.getLogger("eyas.vllm_generate")
 
 REQUEST_PREFIX = "eyas-gen-"
+STREAM_INTERVAL = 16  # tokens per delta of a request (SamplingParams.stream_interval), see above
 # What vLLM reports for a finished request that eyas knows how to read: "stop" (a stop token,
 # which vLLM keeps as the last of token_ids) and "length" (max_tokens, or max_model_len).
 FINISH_REASONS = ("stop", "length")
@@ -107,6 +112,7 @@ def generate(
         raise ValueError(f"generate: request keys repeat ({len(keys) - len(set(keys))} of {len(keys)})")
     llm_engine = engine.llm.llm_engine
     ids = {f"{REQUEST_PREFIX}{r.key}": r for r in requests}
+    interval = stream_interval(SamplingParams)
     for rid, r in ids.items():
         params = SamplingParams(
             max_tokens=r.max_tokens,
@@ -116,6 +122,7 @@ def generate(
             stop_token_ids=list(stop_token_ids),
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
+            **interval,
         )
         llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=list(r.prompt)), params)
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
@@ -142,3 +149,12 @@ def generate(
         raise RuntimeError(f"vLLM ended request {rid} with finish_reason {why!r}, neither 'stop' nor 'length'")
     log.debug("generated %d answers in %.2f s", len(ids), time.monotonic() - t0)
     return [Output(tuple(tokens[rid]), finish[rid]) for rid in ids]
+
+
+def stream_interval(params_cls) -> dict:
+    """SamplingParams' stream_interval = STREAM_INTERVAL, where this vLLM has it (0.32 does)."""
+    return (
+        {"stream_interval": STREAM_INTERVAL}
+        if "stream_interval" in getattr(params_cls, "__struct_fields__", ())
+        else {}
+    )
