@@ -146,7 +146,7 @@ def test_demo_target_without_gpus_is_a_cpu_run_on_the_hf_backend(tmp_path, demo_
     # The target answers the prompts again before anything reads the data (regenerate).
     assert run["pipeline"] == ["prepare", "regenerate", "extract", "vocab", "train", "evaluate"]
     regen_tokens = min(run["data"]["max_length"], 1024)  # never past max_length, nor the default
-    assert run["regenerate"] == {"temperature": 0.0, "max_tokens": regen_tokens, "batch_size": 64}
+    assert run["regenerate"] == {"temperature": 0.0, "max_tokens": regen_tokens, "batch_size": 256}
 
 
 @pytest.mark.parametrize(
