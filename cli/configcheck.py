@@ -14,6 +14,7 @@ import sys
 
 from eyas.state import trainsteps
 from eyas.state.preload import lines, loaders
+from eyas.state.regenerate import data_stage
 from eyas.state.runconfig import ConfigError, RunConfig, load, stage_world_size
 from eyas.state.target import num_hidden_layers
 
@@ -87,7 +88,8 @@ def summary(cfg: RunConfig, steps: str | None = None) -> list[str]:
         rows.append(("layer ids", ", ".join(f"{i} ({layer_meaning(i, n)})" if n is not None else str(i) for i in ids)))
     if "evaluate" in cfg.pipeline:
         ev = cfg.evaluate
-        prompts = ev.prompts or "prepare's validation rows"
+        # Without a prompt file: the validation rows of the dataset the run trains on.
+        prompts = ev.prompts or f"{data_stage(cfg.pipeline)}'s validation rows"
         limit = f"up to {ev.max_prompts}" if ev.max_prompts else "all"
         rows.append(
             (

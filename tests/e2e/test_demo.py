@@ -1,6 +1,6 @@
-"""`eyas demo`: the whole pipeline end to end (prepare -> extract -> vocab -> train on the tiny
-DeepseekV3 target, 2 ranks, then evaluate in vLLM's CPU build), in under 5 minutes, leaving
-nothing running; Ctrl-C at any point stops it cleanly."""
+"""`eyas demo`: the whole pipeline end to end (prepare -> regenerate in vLLM's CPU build ->
+extract -> vocab -> train on the tiny DeepseekV3 target, 2 ranks, then evaluate in vLLM), in
+under 5 minutes, leaving nothing running; Ctrl-C at any point stops it cleanly."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from eyas.state import paths, queries, store
 pytestmark = pytest.mark.slow
 
 EYAS = str(Path(sys.executable).with_name("eyas"))
-STAGES = ["prepare", "extract", "vocab", "train", "evaluate"]
-DEMO_ACCEPT_MARGIN = 0.18
+STAGES = ["prepare", "regenerate", "extract", "vocab", "train", "evaluate"]
+DEMO_ACCEPT_MARGIN = 0.6
 
 
 def _env(home: Path) -> dict:
@@ -93,6 +93,12 @@ def test_demo_runs_the_whole_pipeline_and_leaves_nothing_behind():
         # The summary table's row of the stage, with what it made.
         row = next(line for line in text.splitlines() if line.startswith(f"│ {name} "))
         assert "succeeded" in row, row
+    # The target answered every prompt again, and the later stages read its answers.
+    rg = stages["regenerate"]["summary"]
+    assert (rg["rows"], rg["rows_out"], rg["rows_failed"]) == (300, 300, 0), rg
+    row = next(line for line in text.splitlines() if line.startswith("│ regenerate "))
+    assert f"300 of 300 rows answered by the target, {rg['turns']} turns" in row, row
+    assert stages["extract"]["summary"]["samples"] == 300
     assert [r["exit_code"] for r in stages["train"]["attempt_list"][0]["ranks"]] == [0, 0]
     tr = stages["train"]["summary"]
     assert tr["val_loss"] < tr["val_loss_initial"]
@@ -103,7 +109,8 @@ def test_demo_runs_the_whole_pipeline_and_leaves_nothing_behind():
     assert stages["train"]["tok_s"] > 0 and stages["extract"]["tok_s"] > 0
     # The trained draft in vLLM beside its untrained baseline: the evaluate row says both.
     ev = stages["evaluate"]["summary"]
-    # Every assistant turn of the 30 validation chats.
+    # Every assistant turn of the 30 validation chats (the earlier answers in each prompt are
+    # the target's own: regenerate's split holds the same chats as prepare's).
     assert (ev["draft"], ev["prompts"], ev["chats"], ev["lossless"]) == (str(ckpt), 56, 30, True)
     row = next(line for line in text.splitlines() if line.startswith("│ evaluate "))
     assert (
@@ -112,10 +119,10 @@ def test_demo_runs_the_whole_pipeline_and_leaves_nothing_behind():
         in row
         and "lossless" in row
     ), row
-    # The demo's target answers in the chats' patterns (assets.fit_to_chats), so training shows
-    # in vLLM. Measured: 1.371 [1.252, 1.617] trained vs 1.005 untrained, a gain of 0.367
-    # [0.250, 0.613]; the margin is half the gain, and the quality gate (evaluate.min_gain = 0.1)
-    # passed.
+    # The demo's target answers in a voice of its own (assets.fit_to_chats) and the draft learnt
+    # it from the target's answers, so training shows in vLLM. Measured (2026-12-06): 2.23 [1.99,
+    # 2.67] trained vs 1.04 untrained, a gain of 1.19 [0.94, 1.65]; the margin is half the gain,
+    # and the quality gate (evaluate.min_gain = 0.1) passed.
     assert ev["gain"] > DEMO_ACCEPT_MARGIN and ev["gain_lo"] > 0, ev
     assert ev["gate"] == "passed", ev
     assert took < 300

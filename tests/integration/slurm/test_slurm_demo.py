@@ -1,6 +1,6 @@
-"""The demo's whole pipeline (preflight, prepare, extract, vocab, train, evaluate) through the Slurm
-executor of a real one-node Slurm: every stage runs as its own Slurm job, and the trained draft
-beats its untrained baseline in vLLM as it does in a local run."""
+"""The demo's whole pipeline (preflight, prepare, regenerate, extract, vocab, train, evaluate)
+through the Slurm executor of a real one-node Slurm: every stage runs as its own Slurm job, and
+the trained draft beats its untrained baseline in vLLM as it does in a local run."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_the_demo_pipeline_runs_end_to_end_through_slurm(slurm):
         run = daemon.wait_run(run_id, timeout=780)
         assert run["state"] == "succeeded", daemon.diagnose(run_id)
         stages = {s["name"]: s for s in run["stages"]}
-        assert list(stages) == ["preflight", "prepare", "extract", "vocab", "train", "evaluate"]
+        assert list(stages) == ["preflight", "prepare", "regenerate", "extract", "vocab", "train", "evaluate"]
         jobs = []
         for name, s in stages.items():
             (a,) = s["attempt_list"]
@@ -53,7 +53,7 @@ def test_the_demo_pipeline_runs_end_to_end_through_slurm(slurm):
             for r in a["ranks"]:
                 proc = json.loads((Path(a["dir"]) / f"rank-{r['rank']}.proc.json").read_text())
                 assert proc["slurm_job"] == a["slurm_job"] and r["host"] == slurm.node
-        assert len(set(jobs)) == 6 and jobs == sorted(jobs)  # one job per stage, in pipeline order
-        assert [len(stages[s]["attempt_list"][0]["ranks"]) for s in ("extract", "train")] == [2, 2]
+        assert len(set(jobs)) == 7 and jobs == sorted(jobs)  # one job per stage, in pipeline order
+        assert [len(stages[s]["attempt_list"][0]["ranks"]) for s in ("regenerate", "extract", "train")] == [2, 2, 2]
         summary = stages["evaluate"]["summary"]
         assert summary["acceptance_length"] > summary["baseline_acceptance_length"], summary

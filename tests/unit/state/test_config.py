@@ -613,14 +613,14 @@ def test_eyas_validate_accepts_the_demo_example(tmp_path):
     assert proc.stdout.splitlines() == [
         "demo.toml: valid",
         "  name       demo",
-        "  pipeline   preflight -> prepare -> extract -> vocab -> train -> evaluate",
+        "  pipeline   preflight -> prepare -> regenerate -> extract -> vocab -> train -> evaluate",
         f"  target     {tmp_path}/tiny (4 layers, float32)",
         f"  data       {tmp_path}/chat.jsonl (auto, max_length 256)",
         "  extract    hf, tensor parallel 1, batch 4",
         "  layer ids  1 (entering layer 1), 2 (entering layer 2), 4 (final pre-norm output)",
-        "  evaluate   vLLM, 3 draft tokens, tensor parallel 1, all prompts from prepare's validation rows, "
+        "  evaluate   vLLM, 3 draft tokens, tensor parallel 1, all prompts from regenerate's validation rows, "
         "64 tokens each",
-        "  ranks      preflight 1, prepare 1, extract 2, vocab 1, train 2, evaluate 1",
+        "  ranks      preflight 1, prepare 1, regenerate 2, extract 2, vocab 1, train 2, evaluate 1",
         "  devices    cpu",
         "  output     chosen by the daemon (<state>/runs/<id>/out)",
     ]
