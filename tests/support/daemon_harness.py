@@ -88,7 +88,13 @@ class Daemon:
             stderr=open(self.home / "daemon.stderr", "ab"),
             start_new_session=True,
         )
-        wait_for(self._pingable, 30, what="the daemon to answer")
+        try:
+            wait_for(self._pingable, 30, what="the daemon to answer")
+        except BaseException:
+            # A daemon that never answered is not left running under the rest of the suite.
+            self.proc.kill()
+            self.proc.wait()
+            raise
         return self
 
     def _pingable(self) -> bool:
